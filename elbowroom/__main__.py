@@ -1,0 +1,3 @@
+from elbowroom.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,218 @@
+"""One frozen Settings. Precedence: CLI flags > ELBOWROOM_* environment > TOML file > defaults.
+
+Every field is a knob; its environment name is ``ELBOWROOM_`` + the upper-cased field name
+(e.g. ``ELBOWROOM_OVERRIDE_MEMORY=8GiB``) and its TOML key is the field name. The TOML file
+is ``--config PATH``, else ``$ELBOWROOM_CONFIG``, else ``$XDG_CONFIG_HOME/elbowroom/config.toml``
+when it exists. Sizes accept units (``8GiB``); durations are seconds. docs/configuration.md
+lists every knob with its default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from elbowroom.units import parse_size
+
+
+def _xdg(var: str, fallback: str) -> Path:
+    value = os.environ.get(var)
+    return Path(value) if value else Path.home() / fallback
+
+
+def default_data_dir() -> Path:
+    return _xdg("XDG_DATA_HOME", ".local/share") / "elbowroom"
+
+
+def default_cache_dir() -> Path:
+    return _xdg("XDG_CACHE_HOME", ".cache") / "elbowroom"
+
+
+def default_config_file() -> Path:
+    return _xdg("XDG_CONFIG_HOME", ".config") / "elbowroom" / "config.toml"
+
+
+def _size(**kw: Any) -> Any:
+    return field(metadata={"kind": "size"}, **kw)
+
+
+def _paths(**kw: Any) -> Any:
+    return field(metadata={"kind": "paths"}, **kw)
+
+
+def _strs(**kw: Any) -> Any:
+    return field(metadata={"kind": "strs"}, **kw)
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    # --- server
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    log_level: str = "info"
+    # --- models
+    data_dir: Path = field(default_factory=default_data_dir)
+    models_dir: Path | None = None  # default: data_dir / "models"
+    model_paths: tuple[Path, ...] = _paths(default=())
+    default_model: str = "smollm2-135m"
+    preload: tuple[str, ...] = _strs(default=())
+    pin: tuple[str, ...] = _strs(default=())
+    # --- LLM engine
+    ctx: int | None = None  # None: sized from the KV budget
+    max_ctx: int = 8192  # auto-sizing never goes above this (nor the trained context)
+    min_ctx: int = 512  # auto-sizing refuses below this
+    kv_type: str = "f16"
+    slots: int = 1
+    mlock: bool = False
+    threads: int | None = None
+    max_tokens_cap: int = 4096  # hard cap on generated tokens for every request
+    # --- lifetimes
+    keep_alive: float = 300.0  # seconds an idle mmap (LLM) model stays loaded
+    resident_idle: float = 300.0  # seconds an idle resident engine (whisper/piper/onnx) stays
+    load_timeout: float = 180.0
+    stop_grace: float = 5.0
+    crash_backoff_initial: float = 10.0
+    crash_backoff_max: float = 300.0
+    # --- scheduling
+    queue_size: int = 16  # waiting requests per model before 503
+    concurrency: int = 1  # requests running at once per model
+    # --- memory
+    override_memory: int | None = _size(default=None)
+    os_reserve: int | None = _size(default=None)  # None: tiered by total size
+    safety_margin: int = _size(default=256 * 1024**2)
+    soft_fraction: float = 0.85
+    hard_fraction: float = 0.95
+    psi_soft: float = 10.0  # PSI some avg10 (%) that raises the level to soft
+    psi_hard: float = 40.0  # ... and to hard
+    memory_guard: bool = True
+    monitor_interval: float = 1.0
+    monitor_history: float = 600.0
+    unload_settle_timeout: float = 10.0  # wait this long for unloaded memory to show up
+    # --- uploads / inputs
+    max_upload: int = _size(default=25 * 1024**2)
+    max_speech_chars: int = 4096
+    max_embedding_inputs: int = 256
+    # --- KV prefix cache
+    kv_cache: bool = True
+    kv_cache_dir: Path | None = None  # default: cache dir / "kv"
+    kv_ram_max: int = _size(default=512 * 1024**2)
+    kv_disk_max: int = _size(default=4 * 1024**3)
+    kv_block_tokens: int = 64
+
+    @property
+    def models_path(self) -> Path:
+        return self.models_dir if self.models_dir is not None else self.data_dir / "models"
+
+    @property
+    def kv_cache_path(self) -> Path:
+        return self.kv_cache_dir if self.kv_cache_dir is not None else default_cache_dir() / "kv"
+
+    @property
+    def measurements_path(self) -> Path:
+        """Where measured footprints are remembered per model file."""
+        return self.data_dir / "measured.json"
+
+    def replace(self, **changes: Any) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+
+_FIELDS = {f.name: f for f in fields(Settings)}
+
+
+def _convert(name: str, raw: Any) -> Any:
+    f = _FIELDS[name]
+    kind = f.metadata.get("kind")
+    annotation = str(f.type)
+    if raw is None:
+        return None
+    if kind == "size":
+        return parse_size(raw) if raw != "" else None
+    if kind == "paths":
+        items = raw.split(os.pathsep) if isinstance(raw, str) else list(raw)
+        return tuple(Path(p).expanduser() for p in items if p)
+    if kind == "strs":
+        items = raw.split(",") if isinstance(raw, str) else list(raw)
+        return tuple(str(s).strip() for s in items if str(s).strip())
+    if annotation.startswith("bool"):
+        if isinstance(raw, bool):
+            return raw
+        lowered = str(raw).strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{name}: expected true/false, got {raw!r}")
+    if annotation.startswith("int"):
+        return int(raw)
+    if annotation.startswith("float"):
+        return float(raw)
+    if annotation.startswith("Path"):
+        return Path(str(raw)).expanduser()
+    return str(raw)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def load_settings(
+    flags: Mapping[str, Any] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    config_file: Path | None = None,
+) -> Settings:
+    """Merge defaults < TOML < environment < flags (flags whose value is None are unset)."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+
+    path = config_file or (Path(env["ELBOWROOM_CONFIG"]) if env.get("ELBOWROOM_CONFIG") else None)
+    if path is None and default_config_file().exists():
+        path = default_config_file()
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+        for key, raw in data.items():
+            name = key.replace("-", "_")
+            if name not in _FIELDS:
+                raise ConfigError(f"{path}: unknown setting {key!r}")
+            values[name] = raw
+
+    for name in _FIELDS:
+        raw = env.get("ELBOWROOM_" + name.upper())
+        if raw is not None:
+            values[name] = raw
+
+    for name, raw in (flags or {}).items():
+        if raw is not None:
+            if name not in _FIELDS:
+                raise ConfigError(f"unknown setting {name!r}")
+            values[name] = raw
+
+    converted: dict[str, Any] = {}
+    for name, raw in values.items():
+        try:
+            converted[name] = _convert(name, raw)
+        except ValueError as exc:
+            raise ConfigError(f"setting {name}: {exc}") from exc
+    settings = Settings(**converted)
+    _validate(settings)
+    return settings
+
+
+def _validate(s: Settings) -> None:
+    if s.kv_type not in ("f16", "q8_0", "q4_0"):
+        raise ConfigError(f"kv_type must be f16, q8_0 or q4_0, not {s.kv_type!r}")
+    if not 0 < s.soft_fraction < s.hard_fraction <= 1:
+        raise ConfigError("need 0 < soft_fraction < hard_fraction <= 1")
+    if s.slots < 1 or s.concurrency < 1 or s.queue_size < 0:
+        raise ConfigError("slots and concurrency must be >= 1, queue_size >= 0")
+    if s.ctx is not None and s.ctx < 16:
+        raise ConfigError(f"ctx {s.ctx} is too small (minimum 16)")

