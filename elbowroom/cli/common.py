@@ -34,7 +34,9 @@ def print_json(data: Any) -> None:
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A plain aligned text table; numbers right-aligned."""
-    cells = [[str(c) for c in headers]] + [[("-" if c is None else str(c)) for c in r] for r in rows]
+    cells = [[str(c) for c in headers]] + [
+        [("-" if c is None else str(c)) for c in r] for r in rows
+    ]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     numeric = [
         all(_looks_numeric(r[i]) for r in cells[1:]) and len(cells) > 1 for i in range(len(headers))
