@@ -50,6 +50,8 @@ class Snapshot:
     gpus: tuple[GpuMemory, ...] = ()
     override: int | None = None  # ELBOWROOM_OVERRIDE_MEMORY when set
     os_pressure: str | None = None  # macOS memory-pressure level: normal | warn | critical
+    # Metal's recommended working set (unified memory) where known: a budget candidate.
+    gpu_working_set: int | None = None
     taken_at: float = 0.0  # time.monotonic() of the reading
 
 
