@@ -42,6 +42,10 @@ class GGUFInfo:
     sliding_window: int | None = None
     mmproj: Path | None = None  # multimodal projector beside the model, if any
     n_params: int | None = None
+    # KV heads per layer when they differ between layers (OpenELM; 0 = no KV in that layer,
+    # e.g. recurrent layers); None when every layer has n_kv_heads.
+    kv_heads_per_layer: tuple[int, ...] | None = None
+    n_vocab: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
