@@ -1,0 +1,341 @@
+"""The pressure guard's response ladder: PURE. What to do about one memory sample.
+
+No I/O, no clock, no asyncio: the guard (``guard.py``) builds the inputs from a monitor
+sample and the scheduler, calls ``plan`` and applies the actions it returns. Each sample
+is planned afresh, so every step is re-checked against the next reading.
+
+The rungs, in order (each level does everything the levels below it do):
+
+- normal: resume loads, tell LLM runners level 0 (their KV RAM tiers may grow again),
+  re-open admission once the hard episode is over.
+- soft (usage over ``soft_fraction`` of the limit, or PSI over ``psi_soft``):
+  pause new loads; tell LLM runners level 1 (their KV RAM tier spills to disk); unload
+  idle unpinned models, least recently used first (keep-alive does not protect them),
+  until the bytes over the soft threshold are freed. When usage is not over in bytes (the
+  level comes from PSI, which is a 10 s average and lags), one model goes when the level
+  rises and no more: unloading one per sample would empty the server for a stall that has
+  already ended. Nothing new is unloaded while an earlier unload is still releasing memory.
+- hard (over ``hard_fraction``, or PSI over ``psi_hard``): refuse new requests with 503
+  + Retry-After until back under soft; unload every idle unpinned model; then abort ONE
+  generation per sample (first the newest: least work lost; then the largest: most memory
+  freed), and only when the unloads in progress cannot get usage under the hard threshold.
+  While an abort has not landed yet, no second one is chosen; a PSI-driven hard episode
+  (usage under the hard threshold in bytes) aborts at most one. Idle *pinned* models go
+  only at hard when nothing else is left to free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from elbowroom.memory.types import Pressure
+from elbowroom.units import format_size
+
+
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """One request being served."""
+
+    request_id: str
+    model: str
+    started_at: float  # clock seconds
+    bytes: int  # its runner's resident bytes: the most aborting it can free
+    abortable: bool = True  # LLM generations check the pressure level every 16 tokens
+    aborting: bool = False  # an abort was sent and has not landed yet
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """One loaded model as the guard sees it."""
+
+    id: str
+    bytes: int  # measured resident bytes
+    last_used: float  # clock seconds
+    busy: int = 0  # requests in flight
+    pinned: bool = False
+    llm: bool = False  # its runner takes pressure levels (KV RAM tier, 16-token checks)
+    runner_level: Pressure = Pressure.NORMAL  # the level last sent to its runner
+    unloading: bool = False  # an unload was started and its memory is not back yet
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """The numbers of one sample the ladder compares (bytes)."""
+
+    usage: int
+    limit: int
+    soft: int  # usage at which the level turns soft
+    hard: int  # ... and hard
+
+
+@dataclass(frozen=True, slots=True)
+class Gate:
+    """What the guard enforces right now (its state between samples)."""
+
+    loads_paused: bool = False
+    admission_open: bool = True
+    aborts: int = 0  # aborts sent in the current hard episode
+
+
+# --- actions: each carries the numbers its log line shows -------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PauseLoads:
+    level: Pressure
+    usage: int
+    soft: int
+
+    def message(self) -> str:
+        return f"pausing model loads: {_over(self.usage, self.soft, 'soft')}"
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeLoads:
+    usage: int
+    soft: int
+
+    def message(self) -> str:
+        return f"resuming model loads: {_under(self.usage, self.soft, 'soft')}"
+
+
+@dataclass(frozen=True, slots=True)
+class SetPressure:
+    """Send a level to an LLM runner: >= 1 shrinks its KV RAM tier, 2 aborts its generation."""
+
+    model: str
+    level: Pressure
+    previous: Pressure
+
+    def message(self) -> str:
+        return f"runner {self.model}: pressure {self.previous.label} -> {self.level.label}" + (
+            " (its KV RAM tier spills to disk)" if self.level > self.previous else ""
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Unload:
+    model: str
+    bytes: int
+    level: Pressure
+    usage: int
+    threshold: int  # the threshold usage is over
+    pinned: bool = False
+
+    def message(self) -> str:
+        what = "pinned model" if self.pinned else "idle model"
+        return (
+            f"unloading {what} {self.model} ({format_size(self.bytes)}) at "
+            f"{self.level.label} pressure: {_over(self.usage, self.threshold, self.level.label)}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    request_id: str
+    model: str
+    reason: str  # "newest" | "largest"
+    started_at: float
+    bytes: int
+    usage: int
+    hard: int
+
+    def message(self) -> str:
+        return (
+            f"aborting the {self.reason} generation {self.request_id} on {self.model} "
+            f"(runner holds {format_size(self.bytes)}): {_over(self.usage, self.hard, 'hard')}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CloseAdmission:
+    retry_after: float
+    usage: int
+    hard: int
+
+    def message(self) -> str:
+        return (
+            f"refusing new requests (503, Retry-After {self.retry_after:g} s): "
+            f"{_over(self.usage, self.hard, 'hard')}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAdmission:
+    usage: int
+    soft: int
+
+    def message(self) -> str:
+        return f"admitting requests again: {_under(self.usage, self.soft, 'soft')}"
+
+
+Action = PauseLoads | ResumeLoads | SetPressure | Unload | Abort | CloseAdmission | OpenAdmission
+
+
+def _over(usage: int, threshold: int, name: str) -> str:
+    return (
+        f"usage {format_size(usage)} is over the {name} threshold {format_size(threshold)}"
+        if usage > threshold
+        else f"memory pressure (usage {format_size(usage)}, {name} threshold "
+        f"{format_size(threshold)})"
+    )
+
+
+def _under(usage: int, threshold: int, name: str) -> str:
+    return f"usage {format_size(usage)} is under the {name} threshold {format_size(threshold)}"
+
+
+# --- the ladder ---------------------------------------------------------------------------
+
+
+def plan(
+    level: Pressure,
+    prev: Pressure,
+    inflight: Sequence[InFlight],
+    models: Sequence[LoadedModel],
+    *,
+    reading: Reading,
+    gate: Gate,
+    retry_after: float = 5.0,
+) -> list[Action]:
+    """The actions for one sample at ``level`` (``prev``: the previous sample's level).
+
+    Order matters and is the order to apply them in: gates first (so nothing new starts
+    while memory is being freed), then runner levels, unloads, and at most one abort.
+    """
+    actions: list[Action] = []
+    soft_or_worse = level >= Pressure.SOFT
+    hard = level >= Pressure.HARD
+
+    if soft_or_worse and not gate.loads_paused:
+        actions.append(PauseLoads(level, reading.usage, reading.soft))
+    if hard and gate.admission_open:
+        actions.append(CloseAdmission(retry_after, reading.usage, reading.hard))
+    # Admission re-opens only under soft (not merely under hard): a server that flaps
+    # between refusing and admitting would push usage straight back up.
+    if level == Pressure.NORMAL:
+        if gate.loads_paused:
+            actions.append(ResumeLoads(reading.usage, reading.soft))
+        if not gate.admission_open:
+            actions.append(OpenAdmission(reading.usage, reading.soft))
+
+    unloads = _unloads(level, prev, models, reading) if soft_or_worse else []
+    pending = sum(m.bytes for m in models if m.unloading)
+    freed = pending + sum(u.bytes for u in unloads)
+
+    abort: Abort | None = None
+    if hard:
+        abort = _abort(inflight, gate.aborts, reading, freed)
+        if abort is None and freed == 0 and not any(i.aborting for i in inflight):
+            unloads = _pinned_unloads(models, reading)
+
+    aborting_models = {i.model for i in inflight if i.aborting}
+    if abort is not None:
+        aborting_models.add(abort.model)
+    gone = {u.model for u in unloads}
+    for m in models:
+        if not m.llm or m.unloading or m.id in gone:
+            continue
+        want = Pressure.HARD if m.id in aborting_models else min(level, Pressure.SOFT)
+        if want != m.runner_level:
+            actions.append(SetPressure(m.id, Pressure(want), m.runner_level))
+
+    actions.extend(unloads)
+    if abort is not None:
+        actions.append(abort)
+    return actions
+
+
+def _unloads(
+    level: Pressure, prev: Pressure, models: Sequence[LoadedModel], reading: Reading
+) -> list[Unload]:
+    order = sorted(
+        (m for m in models if m.busy == 0 and not m.pinned and not m.unloading),
+        key=lambda m: (m.last_used, m.id),
+    )
+    if level >= Pressure.HARD:
+        taken = order
+    elif any(m.unloading for m in models):
+        # An unload's memory takes a moment to show up as free: wait for it rather than
+        # unloading a second model for the same excess.
+        taken = []
+    else:
+        excess = reading.usage - reading.soft
+        # no byte excess: the level comes from PSI; one model on the rising edge only
+        first = order[:1] if prev < level else []
+        taken = _prefix(order, excess) if excess > 0 else first
+    threshold = reading.hard if level >= Pressure.HARD else reading.soft
+    return [Unload(m.id, m.bytes, level, reading.usage, threshold) for m in taken]
+
+
+def _prefix(order: Sequence[LoadedModel], need: int) -> list[LoadedModel]:
+    """The shortest LRU prefix whose bytes reach ``need`` (all of them if none does)."""
+    taken: list[LoadedModel] = []
+    freed = 0
+    for m in order:
+        if freed >= need:
+            break
+        taken.append(m)
+        freed += m.bytes
+    return taken
+
+
+def _pinned_unloads(models: Sequence[LoadedModel], reading: Reading) -> list[Unload]:
+    """Last resort at hard: the least recently used idle pinned model."""
+    pinned = sorted(
+        (m for m in models if m.busy == 0 and m.pinned and not m.unloading),
+        key=lambda m: (m.last_used, m.id),
+    )
+    return [
+        Unload(m.id, m.bytes, Pressure.HARD, reading.usage, reading.hard, pinned=True)
+        for m in pinned[:1]
+    ]
+
+
+def _abort(inflight: Sequence[InFlight], aborts: int, reading: Reading, freed: int) -> Abort | None:
+    if any(i.aborting for i in inflight):
+        return None  # one at a time: re-check once the last abort has landed
+    need = reading.usage - reading.hard
+    if need > 0 and freed >= need:
+        return None  # the unloads under way are enough
+    if need <= 0 and (freed > 0 or aborts > 0):
+        return None  # pressure not in bytes (PSI): unloads first, then one abort at most
+    candidates = [i for i in inflight if i.abortable]
+    if not candidates:
+        return None
+    if aborts == 0:
+        target, reason = max(candidates, key=lambda i: (i.started_at, i.request_id)), "newest"
+    else:
+        target = max(candidates, key=lambda i: (i.bytes, i.started_at, i.request_id))
+        reason = "largest"
+    return Abort(
+        target.request_id,
+        target.model,
+        reason,
+        target.started_at,
+        target.bytes,
+        reading.usage,
+        reading.hard,
+    )
+
+
+def next_gate(gate: Gate, level: Pressure, actions: Sequence[Action]) -> Gate:
+    """The gate after applying ``actions`` (pure, so the guard and tests agree on it)."""
+    paused = gate.loads_paused
+    admission = gate.admission_open
+    aborts = gate.aborts
+    for a in actions:
+        if isinstance(a, PauseLoads):
+            paused = True
+        elif isinstance(a, ResumeLoads):
+            paused = False
+        elif isinstance(a, CloseAdmission):
+            admission = False
+        elif isinstance(a, OpenAdmission):
+            admission = True
+        elif isinstance(a, Abort):
+            aborts += 1
+    if level == Pressure.NORMAL:
+        aborts = 0  # the episode is over: the next one starts with the newest again
+    return Gate(paused, admission, aborts)
