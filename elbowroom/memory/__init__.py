@@ -1,1 +1,1 @@
-"""Memory facts: probes (host, cgroup, PSI, GPU), per-process accounting, the budget, the monitor."""
+"""Memory facts: probes (host, cgroup, PSI, GPU), per-process accounting, budget, monitor."""

@@ -1,0 +1,103 @@
+"""Per-process accounting: anonymous vs file-backed (mmap) vs GPU bytes.
+
+Linux reads ``/proc/PID/smaps_rollup``: ``Anonymous`` is the process's own memory (KV
+cache, activations, resident engines) and cannot be reclaimed; ``Rss − Anonymous`` is
+file-backed and shared memory (mmap'd GGUF weights) that the OS may drop and re-read.
+Where smaps_rollup is missing (Linux < 4.14) or unreadable (another user's process),
+``/proc/PID/status`` gives the same split (RssAnon vs RssFile + RssShmem). Off Linux,
+psutil only knows RSS, so all of it counts as anonymous: the safe side of the line.
+A process that no longer exists raises ProcessLookupError.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import psutil
+
+from elbowroom.memory.nvml import gpu_bytes_by_pid
+from elbowroom.memory.types import ZERO_PROCESS_MEMORY, ProcessMemory
+
+__all__ = ["measure_pid", "measure_tree", "parse_smaps_rollup", "parse_status"]
+
+_PROC = Path("/proc")
+
+
+def _kb_fields(text: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if len(parts) == 2 and parts[1] == "kB" and parts[0].isdigit():
+            out[key.strip()] = int(parts[0]) * 1024
+    return out
+
+
+def parse_smaps_rollup(text: str) -> tuple[int, int, int]:
+    """``smaps_rollup`` -> (anonymous, file_backed, swap) bytes."""
+    f = _kb_fields(text)
+    anonymous = f.get("Anonymous", 0)
+    return anonymous, max(0, f.get("Rss", 0) - anonymous), f.get("Swap", 0)
+
+
+def parse_status(text: str) -> tuple[int, int, int]:
+    """``/proc/PID/status`` -> (anonymous, file_backed, swap) bytes."""
+    f = _kb_fields(text)
+    return f.get("RssAnon", 0), f.get("RssFile", 0) + f.get("RssShmem", 0), f.get("VmSwap", 0)
+
+
+def _linux(pid: int, proc: Path) -> tuple[int, int, int]:
+    base = proc / str(pid)
+    try:
+        return parse_smaps_rollup((base / "smaps_rollup").read_text())
+    except FileNotFoundError:
+        if not base.exists():
+            raise ProcessLookupError(pid) from None
+    except PermissionError:
+        pass
+    try:
+        return parse_status((base / "status").read_text())
+    except FileNotFoundError:
+        raise ProcessLookupError(pid) from None
+
+
+def _psutil(pid: int) -> tuple[int, int, int]:
+    try:
+        rss = int(psutil.Process(pid).memory_info().rss)
+    except psutil.NoSuchProcess:
+        raise ProcessLookupError(pid) from None
+    return rss, 0, 0
+
+
+def _measure(pid: int, proc: Path, gpu: dict[int, int]) -> ProcessMemory:
+    if sys.platform.startswith("linux") or proc != _PROC:
+        anonymous, file_backed, swap = _linux(pid, proc)
+    else:
+        anonymous, file_backed, swap = _psutil(pid)
+    return ProcessMemory(anonymous, file_backed, swap, gpu.get(pid, 0), (pid,))
+
+
+def measure_pid(pid: int, *, proc: Path = _PROC) -> ProcessMemory:
+    """Bytes one process holds, by kind. GPU bytes come from NVML for the real /proc only."""
+    return _measure(pid, proc, gpu_bytes_by_pid() if proc == _PROC else {})
+
+
+def measure_tree(pid: int, *, include_self: bool = True) -> ProcessMemory:
+    """Bytes held by ``pid`` and all its descendants (children that exit meanwhile skipped).
+
+    Raises ProcessLookupError when ``pid`` itself is gone.
+    """
+    try:
+        root = psutil.Process(pid)
+        children = root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        raise ProcessLookupError(pid) from None
+    gpu = gpu_bytes_by_pid()
+    total = _measure(pid, _PROC, gpu) if include_self else ZERO_PROCESS_MEMORY
+    for child in children:
+        try:
+            total = total + _measure(child.pid, _PROC, gpu)
+        except ProcessLookupError:
+            continue
+    return total
