@@ -12,11 +12,12 @@ import io
 import wave
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from elbowroom.errors import BadRequest, EngineError, PayloadTooLarge
+
+if TYPE_CHECKING:  # numpy is imported where used: the server imports FORMATS only
+    import numpy as np
 
 # Decoded audio is held in memory (int16, then float32 for whisper): an hour at 16 kHz is
 # ~115 MB + ~230 MB. A 25 MB upload of low-bitrate Opus could otherwise decode to gigabytes.
@@ -83,6 +84,8 @@ def decode_audio(
     Not audio, corrupt, or no samples at all -> BadRequest; longer than ``max_seconds`` ->
     PayloadTooLarge, raised while decoding so memory stays bounded.
     """
+    import numpy as np
+
     av = _import_av()
     max_samples = int(max_seconds * sample_rate)
     resampler = av.audio.resampler.AudioResampler(format="s16", layout="mono", rate=sample_rate)
@@ -157,6 +160,8 @@ def supported_formats() -> tuple[str, ...]:
 
 def encode_audio(samples: np.ndarray, sample_rate: int, fmt: str) -> bytes:
     """Encode mono int16 samples; ``fmt`` must be one of supported_formats()."""
+    import numpy as np
+
     spec = FORMATS[fmt]
     if fmt == "wav":
         buf = io.BytesIO()

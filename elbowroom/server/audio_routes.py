@@ -1,0 +1,137 @@
+"""OpenAI audio routes: /v1/audio/transcriptions (speech to text), /v1/audio/speech (text to
+speech). Inputs are checked before a model is loaded, so a bad request costs no memory."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from elbowroom.engines.audio import FORMATS
+from elbowroom.errors import BadRequest
+from elbowroom.models.spec import ModelKind
+from elbowroom.server import transcript_formats as tf
+from elbowroom.server.deps import get_services, parse_keep_alive
+from elbowroom.server.model_calls import (
+    SPEECH_ALIASES,
+    TRANSCRIPTION_ALIASES,
+    resolve_model,
+    run_once,
+)
+from elbowroom.server.uploads import Form, receive_form
+
+router = APIRouter(prefix="/v1")
+
+
+@router.post("/audio/transcriptions")
+async def transcriptions(request: Request) -> Response:
+    services = get_services(request)
+    async with receive_form(request, max_file=services.settings.max_upload) as form:
+        if form.file is None:
+            raise BadRequest("Missing required parameter: 'file'", param="file")
+        spec = resolve_model(
+            services.catalog,
+            form.get("model"),
+            ModelKind.ASR,
+            TRANSCRIPTION_ALIASES,
+            "/v1/audio/transcriptions",
+        )
+        response_format = _transcription_options(form)
+        payload = {
+            "audio_path": str(form.file.path),
+            "language": form.get("language") or None,
+            "prompt": form.get("prompt") or None,
+            "temperature": _temperature(form.get("temperature")),
+        }
+        keep_alive = parse_keep_alive(form.get("keep_alive"))
+        result = await run_once(services.scheduler, spec.id, keep_alive, "transcribe", payload)
+    if response_format == "text":
+        return PlainTextResponse(tf.as_text(result))
+    if response_format == "srt":
+        return PlainTextResponse(tf.as_srt(result))
+    if response_format == "vtt":
+        return PlainTextResponse(tf.as_vtt(result), media_type="text/vtt")
+    if response_format == "verbose_json":
+        return JSONResponse(tf.as_verbose_json(result))
+    return JSONResponse(tf.as_json(result))
+
+
+def _transcription_options(form: Form) -> str:
+    response_format = form.get("response_format") or "json"
+    if response_format not in tf.RESPONSE_FORMATS:
+        raise BadRequest(
+            f"response_format {response_format!r} is not supported; use one of: "
+            + ", ".join(tf.RESPONSE_FORMATS),
+            param="response_format",
+        )
+    granularities = set(form.get_all("timestamp_granularities[]"))
+    if granularities - {"segment"}:
+        raise BadRequest(
+            "only segment timestamps are supported (timestamp_granularities: ['segment'])",
+            param="timestamp_granularities",
+        )
+    if (form.get("stream") or "false").lower() not in ("false", "0"):
+        raise BadRequest("streaming transcriptions are not supported", param="stream")
+    return response_format
+
+
+def _temperature(raw: str | None) -> float | None:
+    if raw is None or raw == "":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise BadRequest(f"temperature {raw!r} is not a number", param="temperature") from None
+    if not 0.0 <= value <= 1.0:
+        raise BadRequest("temperature must be between 0 and 1", param="temperature")
+    return value
+
+
+class SpeechRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None  # None: what tts-1 maps to
+    input: str
+    voice: str | dict[str, Any] | None = None  # accepted; one-speaker voices ignore it
+    response_format: str = "mp3"
+    speed: Annotated[float, Field(ge=0.25, le=4.0)] = 1.0
+    instructions: str | None = None  # accepted and ignored: piper takes no instructions
+    stream_format: str | None = None
+    keep_alive: int | float | str | None = None
+
+
+@router.post("/audio/speech")
+async def speech(request: Request, body: SpeechRequest) -> Response:
+    services = get_services(request)
+    limit = services.settings.max_speech_chars
+    if not body.input.strip():
+        raise BadRequest("input must not be empty", param="input")
+    if len(body.input) > limit:
+        raise BadRequest(
+            f"input is {len(body.input)} characters; the limit is {limit} "
+            "(ELBOWROOM_MAX_SPEECH_CHARS)",
+            param="input",
+            code="string_above_max_length",
+        )
+    if body.response_format not in FORMATS:
+        raise BadRequest(
+            f"response_format {body.response_format!r} is not supported; use one of: "
+            + ", ".join(FORMATS),
+            param="response_format",
+        )
+    if body.stream_format not in (None, "audio"):
+        raise BadRequest("only stream_format 'audio' is supported", param="stream_format")
+    spec = resolve_model(
+        services.catalog, body.model, ModelKind.TTS, SPEECH_ALIASES, "/v1/audio/speech"
+    )
+    voice = body.voice.get("id") if isinstance(body.voice, dict) else body.voice
+    payload = {
+        "input": body.input,
+        "voice": voice,
+        "speed": body.speed,
+        "response_format": body.response_format,
+    }
+    keep_alive = parse_keep_alive(body.keep_alive)
+    result = await run_once(services.scheduler, spec.id, keep_alive, "speech", payload)
+    return Response(content=result["audio"], media_type=str(result["content_type"]))

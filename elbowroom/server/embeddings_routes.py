@@ -1,0 +1,94 @@
+"""OpenAI /v1/embeddings: strings in, unit-length vectors out (float lists or base64)."""
+
+from __future__ import annotations
+
+import base64
+import struct
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
+
+from elbowroom.errors import BadRequest
+from elbowroom.models.spec import ModelKind
+from elbowroom.server.deps import get_services, parse_keep_alive
+from elbowroom.server.model_calls import EMBEDDING_ALIASES, resolve_model, run_once
+
+router = APIRouter(prefix="/v1")
+
+
+class EmbeddingsRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None  # None: what text-embedding-3-small maps to
+    input: Any = None  # checked by hand below, for messages that name the problem
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None  # accepted and ignored
+    keep_alive: int | float | str | None = None
+
+
+def check_inputs(raw: Any, limit: int) -> list[str]:
+    """A string or a list of non-empty strings, at most ``limit`` of them."""
+    if raw is None:
+        raise BadRequest("Missing required parameter: 'input'", param="input")
+    items = [raw] if isinstance(raw, str) else raw
+    if not isinstance(items, list):
+        raise BadRequest("input must be a string or a list of strings", param="input")
+    if not items:
+        raise BadRequest("input must not be empty", param="input")
+    for i, item in enumerate(items):
+        if isinstance(item, int | list) and not isinstance(item, bool):
+            raise BadRequest(
+                "token-id arrays are not supported as input; send the text as strings",
+                param="input",
+            )
+        if not isinstance(item, str):
+            raise BadRequest(f"input[{i}] must be a string", param="input")
+        if not item.strip():
+            raise BadRequest(f"input[{i}] is empty; every input must have text", param="input")
+    if len(items) > limit:
+        raise BadRequest(
+            f"input has {len(items)} items; at most {limit} are allowed per request "
+            "(ELBOWROOM_MAX_EMBEDDING_INPUTS)",
+            param="input",
+        )
+    return items
+
+
+def encode_base64(vector: list[float]) -> str:
+    """OpenAI's base64 encoding: little-endian float32, no numpy needed."""
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+
+
+@router.post("/embeddings")
+async def embeddings(request: Request, body: EmbeddingsRequest) -> JSONResponse:
+    services = get_services(request)
+    inputs = check_inputs(body.input, services.settings.max_embedding_inputs)
+    if body.dimensions is not None and body.dimensions < 1:
+        raise BadRequest("dimensions must be a positive integer", param="dimensions")
+    spec = resolve_model(
+        services.catalog, body.model, ModelKind.EMBEDDING, EMBEDDING_ALIASES, "/v1/embeddings"
+    )
+    keep_alive = parse_keep_alive(body.keep_alive)
+    result = await run_once(services.scheduler, spec.id, keep_alive, "embed", {"inputs": inputs})
+    vectors: list[list[float]] = result["embeddings"]
+    if body.dimensions is not None and vectors and body.dimensions != len(vectors[0]):
+        raise BadRequest(
+            f"the model {spec.id!r} makes {len(vectors[0])}-dimensional embeddings and cannot "
+            f"shorten them; leave dimensions out or set it to {len(vectors[0])}",
+            param="dimensions",
+        )
+    encode = encode_base64 if body.encoding_format == "base64" else list
+    tokens = int(result.get("prompt_tokens", 0))
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {"object": "embedding", "index": i, "embedding": encode(v)}
+                for i, v in enumerate(vectors)
+            ],
+            "model": spec.id,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+    )

@@ -1,0 +1,349 @@
+"""The audio routes' HTTP layer, with the scheduler and catalog stood in (the edge).
+
+Uploads are parsed for real (python-multipart, real temp files) through a raw ASGI receive
+channel that counts how much of the body was read: an oversized upload must stop early.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from starlette.requests import Request
+from starlette.testclient import TestClient
+
+from elbowroom.config import Settings
+from elbowroom.errors import BadRequest, ModelNotFound, PayloadTooLarge
+from elbowroom.models.spec import Holding, ModelKind, ModelSpec
+from elbowroom.server import transcript_formats as tf
+from elbowroom.server.app import create_app
+from elbowroom.server.deps import Services
+from elbowroom.server.model_calls import TRANSCRIPTION_ALIASES, resolve_model
+from elbowroom.server.uploads import receive_form
+
+BOUNDARY = "elbowroomtestboundary"
+
+
+def make_spec(model_id: str, kind: ModelKind) -> ModelSpec:
+    return ModelSpec(model_id, kind, "x", Path("/nonexistent"), 1, Holding.RESIDENT, "bundled")
+
+
+class Catalog:
+    def __init__(self, *specs: ModelSpec) -> None:
+        self.specs = {s.id: s for s in specs}
+
+    def get(self, model_id: str) -> ModelSpec:
+        if model_id not in self.specs:
+            raise ModelNotFound(model_id)
+        return self.specs[model_id]
+
+    def list(self) -> list[ModelSpec]:
+        return list(self.specs.values())
+
+
+class Scheduler:
+    """Answers each op with a canned result and records what reached it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, dict[str, Any]]] = []
+        self.seen_files: list[bytes] = []
+
+    @asynccontextmanager
+    async def use(self, model_id: str, keep_alive: float | None = None) -> AsyncIterator[Any]:
+        yield _Runner(self, model_id)
+
+
+class _Runner:
+    def __init__(self, scheduler: Scheduler, model_id: str) -> None:
+        self.s, self.model_id = scheduler, model_id
+
+    async def request(self, op: str, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        self.s.calls.append((self.model_id, op, payload))
+        if op == "transcribe":
+            self.s.seen_files.append(Path(payload["audio_path"]).read_bytes())
+            segments = [
+                {"id": 0, "start": 0.0, "end": 1.5, "text": " Hello there."},
+                {"id": 1, "start": 1.5, "end": 3725.5, "text": " General Kenobi."},
+            ]
+            yield {
+                "type": "done",
+                "text": "Hello there. General Kenobi.",
+                "language": "en",
+                "duration": 3725.5,
+                "segments": segments,
+            }
+        else:
+            yield {"type": "done", "audio": b"RIFFfake", "content_type": "audio/wav"}
+
+
+@pytest.fixture
+def app_parts() -> Iterator[tuple[TestClient, Scheduler]]:
+    scheduler = Scheduler()
+    catalog = Catalog(
+        make_spec("whisper-tiny.en", ModelKind.ASR),
+        make_spec("piper-en-us-joe", ModelKind.TTS),
+        make_spec("smollm2-135m", ModelKind.LLM),
+    )
+    settings = Settings(max_upload=1000, max_speech_chars=20)
+    services = Services(settings=settings, catalog=catalog, scheduler=scheduler)
+    with TestClient(create_app(settings, services=services)) as client:
+        yield client, scheduler
+
+
+def transcribe(client: TestClient, data: dict[str, str], content: bytes = b"audio!") -> Any:
+    return client.post(
+        "/v1/audio/transcriptions", data=data, files={"file": ("clip.wav", content, "audio/wav")}
+    )
+
+
+def test_transcription_passes_a_temp_file_and_removes_it(
+    app_parts: tuple[TestClient, Scheduler],
+) -> None:
+    client, scheduler = app_parts
+    r = transcribe(client, {"model": "whisper-1", "language": "en", "temperature": "0.3"})
+    assert r.status_code == 200, r.text
+    assert r.json() == {
+        "text": "Hello there. General Kenobi.",
+        "usage": {"type": "duration", "seconds": 3726},
+    }
+    model, op, payload = scheduler.calls[0]
+    assert (model, op) == ("whisper-tiny.en", "transcribe")  # the alias resolved
+    assert payload["language"] == "en" and payload["temperature"] == 0.3
+    assert scheduler.seen_files == [b"audio!"]
+    assert payload["audio_path"].endswith(".wav")
+    assert not Path(payload["audio_path"]).exists()
+
+
+@pytest.mark.parametrize(
+    ("fmt", "expected"),
+    [
+        ("text", "Hello there. General Kenobi.\n"),
+        (
+            "srt",
+            "1\n00:00:00,000 --> 00:00:01,500\nHello there.\n\n"
+            "2\n00:00:01,500 --> 01:02:05,500\nGeneral Kenobi.\n",
+        ),
+        (
+            "vtt",
+            "WEBVTT\n\n00:00:00.000 --> 00:00:01.500\nHello there.\n\n"
+            "00:00:01.500 --> 01:02:05.500\nGeneral Kenobi.\n",
+        ),
+    ],
+)
+def test_text_response_formats(
+    app_parts: tuple[TestClient, Scheduler], fmt: str, expected: str
+) -> None:
+    r = transcribe(app_parts[0], {"model": "whisper-tiny.en", "response_format": fmt})
+    assert r.status_code == 200 and r.text == expected
+
+
+def test_verbose_json_fills_openai_segment_fields(
+    app_parts: tuple[TestClient, Scheduler],
+) -> None:
+    r = transcribe(app_parts[0], {"model": "whisper-1", "response_format": "verbose_json"})
+    body = r.json()
+    assert body["task"] == "transcribe" and body["duration"] == 3725.5
+    assert {"seek", "tokens", "avg_logprob", "no_speech_prob"} <= body["segments"][0].keys()
+
+
+@pytest.mark.parametrize(
+    ("data", "content", "status", "param"),
+    [
+        ({"model": "whisper-1", "response_format": "docx"}, b"a", 400, "response_format"),
+        ({"model": "whisper-1", "temperature": "hot"}, b"a", 400, "temperature"),
+        (
+            {"model": "whisper-1", "timestamp_granularities[]": "word"},
+            b"a",
+            400,
+            "timestamp_granularities",
+        ),
+        ({"model": "smollm2-135m"}, b"a", 400, "model"),
+        ({"model": "nope"}, b"a", 404, "model"),
+        ({"model": "whisper-1"}, b"x" * 1001, 413, "file"),
+    ],
+)
+def test_bad_transcription_requests_never_reach_a_model(
+    app_parts: tuple[TestClient, Scheduler],
+    data: dict[str, str],
+    content: bytes,
+    status: int,
+    param: str,
+) -> None:
+    client, scheduler = app_parts
+    r = transcribe(client, data, content)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param
+    assert scheduler.calls == []
+
+
+def test_missing_file_and_not_multipart(app_parts: tuple[TestClient, Scheduler]) -> None:
+    client, _ = app_parts
+    r = client.post("/v1/audio/transcriptions", data={"model": "whisper-1"})
+    assert r.status_code == 400 and "multipart" in r.json()["error"]["message"]
+    r = client.post(
+        "/v1/audio/transcriptions", data={"model": "whisper-1"}, files={"other": ("a.txt", b"x")}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "file"
+
+
+def test_speech_returns_audio_bytes(app_parts: tuple[TestClient, Scheduler]) -> None:
+    client, scheduler = app_parts
+    r = client.post(
+        "/v1/audio/speech",
+        json={
+            "model": "tts-1",
+            "input": "Hi there",
+            "voice": "alloy",
+            "response_format": "wav",
+            "speed": 1.5,
+        },
+    )
+    assert r.status_code == 200 and r.content == b"RIFFfake"
+    assert r.headers["content-type"] == "audio/wav"
+    assert scheduler.calls == [
+        (
+            "piper-en-us-joe",
+            "speech",
+            {"input": "Hi there", "voice": "alloy", "speed": 1.5, "response_format": "wav"},
+        )
+    ]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"input": ""}, "input", "empty"),
+        ({"input": "   "}, "input", "empty"),
+        ({"input": "x" * 21}, "input", "limit is 20"),
+        ({"input": "hi", "response_format": "ogg"}, "response_format", "wav, mp3, flac"),
+        ({"input": "hi", "speed": 5}, "speed", "4"),
+        ({"input": "hi", "model": "whisper-tiny.en"}, "model", "kind tts"),
+    ],
+)
+def test_bad_speech_requests_never_reach_a_model(
+    app_parts: tuple[TestClient, Scheduler], body: dict[str, Any], param: str, words: str
+) -> None:
+    client, scheduler = app_parts
+    r = client.post("/v1/audio/speech", json={"voice": "alloy", **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"]
+    assert scheduler.calls == []
+
+
+# --- receive_form on a raw ASGI body ---------------------------------------------------------
+
+
+def multipart(fields: dict[str, str], file_bytes: bytes) -> bytes:
+    out = b""
+    for name, value in fields.items():
+        out += (
+            f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n'
+        ).encode()
+    out += (
+        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="file"; '
+        f'filename="a.mp3"\r\nContent-Type: audio/mpeg\r\n\r\n'
+    ).encode()
+    return out + file_bytes + f"\r\n--{BOUNDARY}--\r\n".encode()
+
+
+class Body:
+    """An ASGI receive channel that hands out the body in chunks and counts them."""
+
+    def __init__(self, body: bytes, chunk: int = 4096) -> None:
+        self.chunks = [body[i : i + chunk] for i in range(0, len(body), chunk)]
+        self.read = 0
+
+    async def __call__(self) -> dict[str, Any]:
+        self.read += 1
+        more = self.read < len(self.chunks)
+        return {"type": "http.request", "body": self.chunks[self.read - 1], "more_body": more}
+
+
+def request(body: Body, length: int | None) -> Request:
+    headers = [(b"content-type", f"multipart/form-data; boundary={BOUNDARY}".encode())]
+    if length is not None:
+        headers.append((b"content-length", str(length).encode()))
+    return Request({"type": "http", "method": "POST", "headers": headers}, body)
+
+
+def test_form_fields_and_file_then_cleanup() -> None:
+    data = multipart({"model": "whisper-1", "prompt": "ünïcode"}, b"\x00\x01" * 5000)
+
+    async def main() -> Path:
+        async with receive_form(request(Body(data), len(data)), max_file=20_000) as form:
+            assert form.get("model") == "whisper-1" and form.get("prompt") == "ünïcode"
+            assert form.file is not None and form.file.filename == "a.mp3"
+            assert form.file.size == 10_000 and form.file.content_type == "audio/mpeg"
+            assert form.file.path.read_bytes() == b"\x00\x01" * 5000
+            assert form.file.path.suffix == ".mp3"
+            return form.file.path
+
+    assert not anyio.run(main).exists()
+
+
+def test_declared_length_over_the_limit_is_refused_before_reading() -> None:
+    data = multipart({}, b"x" * 200_000)
+    body = Body(data)
+
+    async def main() -> None:
+        async with receive_form(request(body, len(data)), max_file=1000):
+            raise AssertionError("unreachable")
+
+    with pytest.raises(PayloadTooLarge, match="ELBOWROOM_MAX_UPLOAD"):
+        anyio.run(main)
+    assert body.read == 0
+
+
+def test_undeclared_length_stops_reading_at_the_limit(tmp_path: Path) -> None:
+    data = multipart({}, b"x" * 1_000_000)
+    body = Body(data, chunk=4096)
+
+    async def main() -> None:
+        req = request(body, None)  # chunked upload: no Content-Length to check
+        async with receive_form(req, max_file=10_000, directory=str(tmp_path)):
+            raise AssertionError("unreachable")
+
+    with pytest.raises(PayloadTooLarge):
+        anyio.run(main)
+    assert body.read <= 4  # ~10 kB of a 1 MB body
+    assert list(tmp_path.iterdir()) == []  # the partial file is gone
+
+
+def test_oversized_text_field_is_refused() -> None:
+    data = multipart({"prompt": "y" * 20_000}, b"x")
+
+    async def main() -> None:
+        async with receive_form(request(Body(data), None), max_file=1000):
+            raise AssertionError("unreachable")
+
+    with pytest.raises(BadRequest, match="prompt"):
+        anyio.run(main)
+
+
+# --- pure helpers ------------------------------------------------------------------------
+
+
+def test_timestamps() -> None:
+    assert tf.timestamp(0, ",") == "00:00:00,000"
+    assert tf.timestamp(59.9996, ".") == "00:01:00.000"
+    assert tf.timestamp(3725.5, ",") == "01:02:05,500"
+
+
+def test_aliases_fall_back_and_real_ids_win() -> None:
+    sphinx_only = Catalog(make_spec("sphinx-en-us", ModelKind.ASR))
+    spec = resolve_model(sphinx_only, "whisper-1", ModelKind.ASR, TRANSCRIPTION_ALIASES, "x")
+    assert spec.id == "sphinx-en-us"  # whisper missing: the fallback recognizer
+    own = Catalog(
+        make_spec("whisper-1", ModelKind.ASR), make_spec("whisper-tiny.en", ModelKind.ASR)
+    )
+    assert resolve_model(own, "whisper-1", ModelKind.ASR, TRANSCRIPTION_ALIASES, "x").id == (
+        "whisper-1"
+    )
+    assert resolve_model(own, None, ModelKind.ASR, TRANSCRIPTION_ALIASES, "x").id == ("whisper-1")
+    with pytest.raises(ModelNotFound):
+        resolve_model(Catalog(), "whisper-1", ModelKind.ASR, TRANSCRIPTION_ALIASES, "x")

@@ -1,0 +1,128 @@
+"""/v1/embeddings' HTTP layer with the scheduler stood in; the real engine is in e2e."""
+
+from __future__ import annotations
+
+import base64
+import struct
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+from starlette.testclient import TestClient
+
+from elbowroom.config import Settings
+from elbowroom.errors import ModelNotFound
+from elbowroom.models.spec import Holding, ModelKind, ModelSpec
+from elbowroom.server.app import create_app
+from elbowroom.server.deps import Services
+from elbowroom.server.embeddings_routes import encode_base64
+
+VECTORS = [[0.6, 0.8, 0.0], [0.1, -0.2, 0.3]]
+
+
+class Catalog:
+    specs: ClassVar[dict[str, ModelSpec]] = {
+        s.id: s
+        for s in (
+            ModelSpec(
+                "minilm-l6-v2",
+                ModelKind.EMBEDDING,
+                "onnx-embed",
+                Path("/x"),
+                1,
+                Holding.RESIDENT,
+                "bundled",
+            ),
+            ModelSpec(
+                "smollm2-135m", ModelKind.LLM, "llama", Path("/x"), 1, Holding.MMAP, "bundled"
+            ),
+        )
+    }
+
+    def get(self, model_id: str) -> ModelSpec:
+        if model_id not in self.specs:
+            raise ModelNotFound(model_id)
+        return self.specs[model_id]
+
+
+class Scheduler:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+
+    @asynccontextmanager
+    async def use(self, model_id: str, keep_alive: float | None = None) -> AsyncIterator[Any]:
+        yield self
+
+    async def request(self, op: str, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        self.calls.append((op, payload))
+        n = len(payload["inputs"])
+        yield {"type": "done", "embeddings": VECTORS[:n], "prompt_tokens": 5 * n}
+
+
+@pytest.fixture
+def parts() -> Iterator[tuple[TestClient, Scheduler]]:
+    scheduler = Scheduler()
+    settings = Settings(max_embedding_inputs=2)
+    services = Services(settings=settings, catalog=Catalog(), scheduler=scheduler)
+    with TestClient(create_app(settings, services=services)) as client:
+        yield client, scheduler
+
+
+def test_float_and_base64_encodings(parts: tuple[TestClient, Scheduler]) -> None:
+    client, scheduler = parts
+    body = {"model": "text-embedding-3-small", "input": ["a", "b"]}
+    floats = client.post("/v1/embeddings", json=body).json()
+    assert [d["embedding"] for d in floats["data"]] == VECTORS
+    assert [d["index"] for d in floats["data"]] == [0, 1]
+    assert floats["model"] == "minilm-l6-v2"
+    assert floats["usage"] == {"prompt_tokens": 10, "total_tokens": 10}
+    b64 = client.post("/v1/embeddings", json={**body, "encoding_format": "base64"}).json()
+    raw = base64.b64decode(b64["data"][1]["embedding"])
+    assert struct.unpack("<3f", raw) == pytest.approx(VECTORS[1])
+    assert scheduler.calls[0] == ("embed", {"inputs": ["a", "b"]})
+
+
+def test_base64_is_little_endian_float32() -> None:
+    assert base64.b64decode(encode_base64([1.0])) == b"\x00\x00\x80\x3f"
+
+
+def test_a_single_string_is_one_input(parts: tuple[TestClient, Scheduler]) -> None:
+    r = parts[0].post("/v1/embeddings", json={"model": "minilm-l6-v2", "input": "hello"})
+    assert r.status_code == 200 and len(r.json()["data"]) == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "words"),
+    [
+        ({"input": []}, 400, "must not be empty"),
+        ({"input": ""}, 400, "input[0] is empty"),
+        ({"input": ["ok", " "]}, 400, "input[1] is empty"),
+        ({"input": ["a", "b", "c"]}, 400, "at most 2"),
+        ({"input": [1, 2, 3]}, 400, "token-id arrays are not supported"),
+        ({"input": [[1, 2]]}, 400, "token-id arrays are not supported"),
+        ({"input": {"text": "x"}}, 400, "string or a list"),
+        ({}, 400, "Missing required parameter: 'input'"),
+        ({"input": "x", "encoding_format": "int8"}, 400, "encoding_format"),
+        ({"input": "x", "model": "smollm2-135m"}, 400, "needs a model of kind embedding"),
+        ({"input": "x", "model": "nope"}, 404, "does not exist"),
+    ],
+)
+def test_bad_requests_never_reach_a_model(
+    parts: tuple[TestClient, Scheduler], body: dict[str, Any], status: int, words: str
+) -> None:
+    client, scheduler = parts
+    r = client.post("/v1/embeddings", json={"model": "minilm-l6-v2", **body})
+    assert r.status_code == status, r.text
+    assert words in r.json()["error"]["message"]
+    assert scheduler.calls == []
+
+
+def test_dimensions_other_than_the_models_are_refused(
+    parts: tuple[TestClient, Scheduler],
+) -> None:
+    r = parts[0].post("/v1/embeddings", json={"input": "x", "dimensions": 2})
+    assert r.status_code == 400 and "3-dimensional" in r.json()["error"]["message"]
+    r = parts[0].post("/v1/embeddings", json={"input": "x", "dimensions": 3})
+    assert r.status_code == 200
