@@ -1,0 +1,331 @@
+"""The pressure guard: turns each memory sample into the ladder's actions and applies them.
+
+The monitor calls ``on_sample`` from its own thread; the guard hops to the asyncio loop
+(``call_soon_threadsafe``) and a single worker task applies the latest sample (older ones
+are skipped: acting on a stale reading is worse than waiting for the next). The guard
+owns three pieces of state the server consults: whether new requests are admitted (503
+``memory_pressure`` + Retry-After while hard), which generations it is aborting, and the
+pressure level each LLM runner was last told.
+
+Disabled (``memory_guard = false``, ``serve --no-memory-guard``), it still records the
+latest sample for /metrics but never acts and always admits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from elbowroom.errors import MemoryPressure
+from elbowroom.guard.ladder import (
+    Abort,
+    Action,
+    CloseAdmission,
+    Gate,
+    InFlight,
+    LoadedModel,
+    OpenAdmission,
+    PauseLoads,
+    Reading,
+    ResumeLoads,
+    SetPressure,
+    Unload,
+    next_gate,
+    plan,
+)
+from elbowroom.memory.monitor import Sample
+from elbowroom.memory.types import Pressure
+from elbowroom.units import format_size
+
+log = logging.getLogger("elbowroom.guard")
+
+
+class Target(Protocol):
+    """What the guard needs from the scheduler (``guard.adapter.SchedulerTarget``)."""
+
+    def models(self) -> list[LoadedModel]:
+        """Loaded (ready) models; ``runner_level`` is the level its runner was last told."""
+        ...
+
+    def inflight(self) -> list[InFlight]: ...
+
+    def set_pressure(self, model: str, level: Pressure) -> None: ...
+
+    def pause_loads(self, paused: bool) -> None: ...
+
+    async def unload(self, model: str) -> None:
+        """Unload now (or as soon as its requests in flight end), counted as pressure."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class GuardEvent:
+    """One applied action, for the log, /api/guard and the chaos timeline."""
+
+    at: float  # the monitor's clock
+    wall: float
+    kind: str  # "pause_loads" | "resume_loads" | "set_pressure" | "unload" | "abort" | ...
+    level: str
+    usage: int
+    limit: int
+    message: str
+    model: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "at": self.at,
+            "wall": self.wall,
+            "kind": self.kind,
+            "level": self.level,
+            "usage": self.usage,
+            "limit": self.limit,
+            "model": self.model,
+            "message": self.message,
+        }
+
+
+_KINDS: dict[type, str] = {
+    PauseLoads: "pause_loads",
+    ResumeLoads: "resume_loads",
+    SetPressure: "set_pressure",
+    Unload: "unload",
+    Abort: "abort",
+    CloseAdmission: "close_admission",
+    OpenAdmission: "open_admission",
+}
+
+
+def reading_of(sample: Sample) -> Reading:
+    """Our runners' bytes against the sample's limit (which follows what is available, so a
+    neighbour filling the machine or the cgroup lowers the thresholds under us)."""
+    lim = sample.limit
+    return Reading(usage=sample.own_usage, limit=lim.value, soft=lim.soft, hard=lim.hard)
+
+
+class PressureGuard:
+    def __init__(
+        self,
+        target: Target,
+        *,
+        enabled: bool = True,
+        retry_after: float = 5.0,
+        events: int = 1000,
+    ) -> None:
+        self._target = target
+        self.enabled = enabled
+        self._retry_after = retry_after
+        self._gate = Gate()
+        self._prev = Pressure.NORMAL
+        self._aborting: dict[str, str] = {}  # request id -> model, until the request ends
+        self._unloading: dict[str, asyncio.Task[None]] = {}
+        self._events: deque[GuardEvent] = deque(maxlen=events)
+        self.counters: Counter[tuple[str, str]] = Counter()  # (kind, reason) -> count
+        self.latest: Sample | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending: Sample | None = None
+        self._wake = asyncio.Event()
+        self._worker: asyncio.Task[None] | None = None
+
+    # --- lifetime --------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Bind to the running loop and start the worker that applies samples."""
+        self._loop = asyncio.get_running_loop()
+        if self._worker is None:
+            self._worker = asyncio.create_task(self._run(), name="elbowroom-pressure-guard")
+
+    async def close(self) -> None:
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await worker
+        self._loop = None
+        for task in list(self._unloading.values()):
+            task.cancel()
+        self._unloading.clear()
+
+    # --- the monitor side (any thread) -----------------------------------------------
+
+    def on_sample(self, sample: Sample) -> None:
+        """The monitor's callback: runs in the monitor's thread, so only hand over."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            self.latest = sample
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed in between: shutting down
+            loop.call_soon_threadsafe(self._offer, sample)
+
+    def _offer(self, sample: Sample) -> None:
+        self.latest = sample
+        self._pending = sample
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            sample, self._pending = self._pending, None
+            if sample is None:
+                continue
+            try:
+                await self.apply(sample)
+            except Exception:
+                log.exception("pressure guard: applying a sample failed; next sample retries")
+
+    # --- the asyncio side -------------------------------------------------------------
+
+    async def apply(self, sample: Sample) -> list[Action]:
+        """Plan and apply one sample; returns what was done (tests call this directly)."""
+        self.latest = sample
+        if not self.enabled:
+            return []
+        reading = reading_of(sample)
+        inflight = self._inflight()
+        models = self._models()
+        actions = plan(
+            sample.level,
+            self._prev,
+            inflight,
+            models,
+            reading=reading,
+            gate=self._gate,
+            retry_after=self._retry_after,
+        )
+        self._gate = next_gate(self._gate, sample.level, actions)
+        self._prev = sample.level
+        for action in actions:
+            self._apply(action, sample, reading)
+        return actions
+
+    def _inflight(self) -> list[InFlight]:
+        current = self._target.inflight()
+        live = {i.request_id for i in current}
+        for rid in [r for r in self._aborting if r not in live]:
+            log.info("pressure guard: aborted generation %s has ended", rid)
+            del self._aborting[rid]
+        return [replace(i, aborting=True) if i.request_id in self._aborting else i for i in current]
+
+    def _models(self) -> list[LoadedModel]:
+        done = [m for m, t in self._unloading.items() if t.done()]
+        for m in done:
+            del self._unloading[m]
+        return [
+            replace(m, unloading=True) if m.id in self._unloading else m
+            for m in self._target.models()
+        ]
+
+    def _apply(self, action: Action, sample: Sample, reading: Reading) -> None:
+        kind = _KINDS[type(action)]
+        model: str | None = None
+        reason = sample.level.label
+        if isinstance(action, PauseLoads | ResumeLoads):
+            self._target.pause_loads(isinstance(action, PauseLoads))
+        elif isinstance(action, SetPressure):
+            model = action.model
+            reason = action.level.label
+            self._target.set_pressure(action.model, action.level)
+        elif isinstance(action, Unload):
+            model = action.model
+            reason = "pinned" if action.pinned else reason
+            self._unloading[action.model] = asyncio.create_task(self._unload(action.model))
+        elif isinstance(action, Abort):
+            model = action.model
+            reason = action.reason
+            self._aborting[action.request_id] = action.model
+        self.counters[(kind, reason)] += 1
+        message = action.message()
+        log.log(
+            logging.INFO
+            if isinstance(action, ResumeLoads | OpenAdmission | SetPressure)
+            else logging.WARNING,
+            "pressure guard: %s (level %s, limit %s)",
+            message,
+            sample.level.label,
+            format_size(reading.limit),
+        )
+        self._events.append(
+            GuardEvent(
+                sample.at,
+                sample.wall,
+                kind,
+                sample.level.label,
+                reading.usage,
+                reading.limit,
+                message,
+                model,
+            )
+        )
+
+    async def _unload(self, model: str) -> None:
+        try:
+            await self._target.unload(model)
+        except Exception as exc:  # the model may have been unloaded or crashed meanwhile
+            log.info("pressure guard: unloading %s did not complete: %s", model, exc)
+
+    # --- what the server consults ------------------------------------------------------
+
+    def admission_open(self) -> bool:
+        return not self.enabled or self._gate.admission_open
+
+    @property
+    def retry_after(self) -> float:
+        return self._retry_after
+
+    @property
+    def loads_paused(self) -> bool:
+        return self.enabled and self._gate.loads_paused
+
+    def check_admission(self) -> None:
+        """Raise the 503 a request gets while the guard refuses new work."""
+        if self.admission_open():
+            return
+        sample = self.latest
+        numbers = ""
+        details: dict[str, Any] = {}
+        if sample is not None:
+            r = reading_of(sample)
+            numbers = (
+                f": our models hold {format_size(r.usage)} against a hard threshold of "
+                f"{format_size(r.hard)}"
+            )
+            details = {"usage": r.usage, "hard_threshold": r.hard, "limit": r.limit}
+        raise MemoryPressure(
+            f"The server is under hard memory pressure and refuses new requests until "
+            f"memory is back under the soft threshold{numbers}. Retry after "
+            f"{math.ceil(self._retry_after)} s.",
+            retry_after=self._retry_after,
+            code="memory_pressure",
+            details=details,
+        )
+
+    def aborting(self) -> dict[str, str]:
+        return dict(self._aborting)
+
+    def events(self) -> list[GuardEvent]:
+        return list(self._events)
+
+    def state(self) -> dict[str, Any]:
+        """JSON-ready: for /api/guard and the metrics collector."""
+        sample = self.latest
+        return {
+            "enabled": self.enabled,
+            "level": (sample.level.label if sample is not None else None),
+            "admission_open": self.admission_open(),
+            "loads_paused": self.loads_paused,
+            "retry_after": self._retry_after,
+            "aborting": self.aborting(),
+            "unloading": sorted(self._unloading),
+            "aborts_this_episode": self._gate.aborts,
+            "counters": [
+                {"action": k, "reason": r, "count": n}
+                for (k, r), n in sorted(self.counters.items())
+            ],
+            "at": time.time(),
+        }

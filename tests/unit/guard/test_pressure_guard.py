@@ -1,0 +1,172 @@
+"""PressureGuard: samples in, actions applied to its target, the 503 gate, the thread hop.
+
+The target here is a recording stand-in for the scheduler (the edge); the guard's own
+bookkeeping (gate, aborts in flight, runner levels, events, counters) is what is tested.
+The real scheduler and real runners are in tests/e2e/test_pressure.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field, replace
+
+import pytest
+
+from elbowroom.errors import MemoryPressure
+from elbowroom.guard.guard import PressureGuard
+from elbowroom.guard.ladder import InFlight, LoadedModel
+from elbowroom.memory.budget import Candidate, Limit
+from elbowroom.memory.monitor import Sample
+from elbowroom.memory.types import Pressure, Snapshot
+
+MiB = 1024**2
+pytestmark = pytest.mark.anyio
+
+
+def sample(own_mib: int, level: Pressure, at: float = 0.0) -> Sample:
+    limit = Limit(
+        value=1000 * MiB,
+        winner="reserve",
+        candidates=(Candidate("reserve", 1000 * MiB, "test"),),
+        soft=850 * MiB,
+        hard=950 * MiB,
+    )
+    snap = Snapshot("linux", 2000 * MiB, 500 * MiB, 1500 * MiB, 2000 * MiB, 500 * MiB)
+    return Sample(at, 1_700_000_000.0 + at, snap, own_mib * MiB, limit, level)
+
+
+@dataclass
+class Recorder:
+    loaded: list[LoadedModel] = field(default_factory=list)
+    running: list[InFlight] = field(default_factory=list)
+    calls: list[tuple[object, ...]] = field(default_factory=list)
+
+    def models(self) -> list[LoadedModel]:
+        return list(self.loaded)
+
+    def inflight(self) -> list[InFlight]:
+        return list(self.running)
+
+    def set_pressure(self, model: str, level: Pressure) -> None:
+        self.calls.append(("set_pressure", model, level))
+        self.loaded = [replace(m, runner_level=level) if m.id == model else m for m in self.loaded]
+
+    def pause_loads(self, paused: bool) -> None:
+        self.calls.append(("pause_loads", paused))
+
+    async def unload(self, model: str) -> None:
+        self.calls.append(("unload", model))
+        self.loaded = [m for m in self.loaded if m.id != model]
+
+
+def llm(id: str, mib: int, used: float, busy: int = 0) -> LoadedModel:
+    return LoadedModel(id, mib * MiB, used, busy=busy, llm=True)
+
+
+async def settle() -> None:
+    """Let the unload tasks the guard started run."""
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+async def test_soft_pauses_loads_and_unloads_the_lru_idle_model() -> None:
+    target = Recorder(loaded=[llm("old", 100, 1.0), llm("new", 100, 2.0), llm("busy", 50, 0.5, 1)])
+    guard = PressureGuard(target)
+    actions = await guard.apply(sample(900, Pressure.SOFT))
+    await settle()
+    assert ("pause_loads", True) in target.calls
+    assert ("unload", "old") in target.calls and ("unload", "new") not in target.calls
+    assert ("set_pressure", "busy", Pressure.SOFT) in target.calls
+    assert guard.loads_paused and guard.admission_open()
+    kinds = [e.kind for e in guard.events()]
+    assert len(kinds) == len(actions)
+    assert {"pause_loads", "set_pressure", "unload"} <= set(kinds)
+    unload = next(e for e in guard.events() if e.kind == "unload")
+    assert unload.model == "old" and "900.0 MiB" in unload.message and unload.usage == 900 * MiB
+    assert guard.counters[("unload", "soft")] == 1
+
+
+async def test_hard_closes_admission_until_back_under_soft() -> None:
+    target = Recorder(loaded=[llm("x", 100, 1.0, busy=1)])
+    guard = PressureGuard(target, retry_after=7.0)
+    await guard.apply(sample(960, Pressure.HARD))
+    assert not guard.admission_open()
+    with pytest.raises(MemoryPressure) as info:
+        guard.check_admission()
+    err = info.value
+    assert err.status == 503 and err.type == "memory_pressure"
+    assert err.headers() == {"Retry-After": "7"}
+    assert err.details["usage"] == 960 * MiB and err.details["hard_threshold"] == 950 * MiB
+
+    await guard.apply(sample(900, Pressure.SOFT))  # under hard but not under soft: still shut
+    assert not guard.admission_open()
+    await guard.apply(sample(500, Pressure.NORMAL))
+    assert guard.admission_open() and not guard.loads_paused
+    guard.check_admission()
+    assert ("pause_loads", False) in target.calls
+    assert target.calls[-1] == ("set_pressure", "x", Pressure.NORMAL)
+
+
+async def test_one_abort_at_a_time_newest_then_largest() -> None:
+    target = Recorder(loaded=[llm("small", 100, 1.0, busy=1), llm("big", 400, 1.0, busy=1)])
+    target.running = [
+        InFlight("r-big", "big", 1.0, 400 * MiB),
+        InFlight("r-small", "small", 2.0, 100 * MiB),
+    ]
+    guard = PressureGuard(target)
+    await guard.apply(sample(990, Pressure.HARD, at=1))
+    assert guard.aborting() == {"r-small": "small"}
+    assert ("set_pressure", "small", Pressure.HARD) in target.calls
+    assert ("set_pressure", "big", Pressure.SOFT) in target.calls
+
+    # the abort has not landed yet: the next hard sample chooses nothing new
+    target.calls.clear()
+    await guard.apply(sample(990, Pressure.HARD, at=2))
+    assert guard.aborting() == {"r-small": "small"} and target.calls == []
+
+    # it landed (the request is gone): the largest is next, the first runner goes back to 1
+    target.running = target.running[:1]
+    target.loaded = [replace(target.loaded[0], busy=0, pinned=True), target.loaded[1]]
+    await guard.apply(sample(990, Pressure.HARD, at=3))
+    assert guard.aborting() == {"r-big": "big"}
+    assert ("set_pressure", "small", Pressure.SOFT) in target.calls
+    assert ("set_pressure", "big", Pressure.HARD) in target.calls
+    assert guard.counters[("abort", "newest")] == 1 and guard.counters[("abort", "largest")] == 1
+
+
+async def test_disabled_guard_records_samples_and_never_acts() -> None:
+    target = Recorder(loaded=[llm("a", 100, 1.0)])
+    target.running = [InFlight("r", "a", 1.0, 100 * MiB)]
+    guard = PressureGuard(target, enabled=False)
+    s = sample(999, Pressure.HARD)
+    assert await guard.apply(s) == []
+    assert guard.latest is s and guard.admission_open() and not guard.loads_paused
+    assert target.calls == [] and guard.events() == []
+
+
+async def test_samples_from_the_monitor_thread_are_applied_on_the_loop() -> None:
+    target = Recorder(loaded=[llm("a", 100, 1.0)])
+    guard = PressureGuard(target)
+    await guard.start()
+    try:
+        seen: list[int] = []
+
+        def monitor_thread() -> None:
+            seen.append(threading.get_ident())
+            guard.on_sample(sample(900, Pressure.SOFT))
+
+        t = threading.Thread(target=monitor_thread)
+        t.start()
+        t.join()
+        deadline = time.monotonic() + 5
+        while ("unload", "a") not in target.calls:
+            assert time.monotonic() < deadline, "the guard never applied the sample"
+            await asyncio.sleep(0.01)
+        assert seen and seen[0] != threading.get_ident()
+        assert guard.loads_paused
+    finally:
+        await guard.close()
+    guard.on_sample(sample(100, Pressure.NORMAL))  # after close: recorded, not applied
+    assert guard.latest is not None and guard.latest.own_usage == 100 * MiB
