@@ -1,0 +1,154 @@
+"""The disk tier on a real directory: atomic files, restart, damage, cap, disk full."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from elbowroom.kvcache.disk import DiskTier
+
+KEY = '{"model": "m", "n_ctx": 512}'
+PREFIX = "aaaa"
+TOKENS = tuple(range(100))
+
+
+def tier(d: Path, cap: int = 10_000_000, key: str = KEY, prefix: str = PREFIX) -> DiskTier:
+    t = DiskTier(d, cap, key, prefix)
+    t.scan()
+    return t
+
+
+def only_file(d: Path) -> Path:
+    (path,) = [p for p in d.iterdir() if p.name.endswith(".kv")]
+    return path
+
+
+def test_write_read_and_restart(tmp_path: Path) -> None:
+    t = tier(tmp_path)
+    state = os.urandom(50_000)
+    assert t.write("e1", TOKENS, state).written
+    assert t.read("e1") == bytearray(state)
+    assert [p.name for p in tmp_path.iterdir()] == [f"{PREFIX}-e1.kv"]  # no temp left
+    again = DiskTier(tmp_path, 10_000_000, KEY, PREFIX)
+    (entry,) = again.scan()
+    assert (entry.eid, entry.tokens, entry.payload_bytes) == ("e1", TOKENS, 50_000)
+    assert again.nbytes == entry.nbytes == only_file(tmp_path).stat().st_size
+    assert again.read("e1") == bytearray(state)
+
+
+def test_corrupt_payload_is_a_miss_and_removed(tmp_path: Path) -> None:
+    t = tier(tmp_path)
+    t.write("e1", TOKENS, os.urandom(20_000))
+    path = only_file(tmp_path)
+    with path.open("r+b") as f:
+        f.seek(-100, os.SEEK_END)
+        f.write(b"\x00" * 10)
+    assert t.read("e1") is None
+    assert not path.exists() and len(t) == 0 and t.nbytes == 0
+
+
+def test_truncated_file_is_removed_at_scan(tmp_path: Path) -> None:
+    tier(tmp_path).write("e1", TOKENS, os.urandom(20_000))
+    path = only_file(tmp_path)
+    os.truncate(path, path.stat().st_size - 1)
+    assert DiskTier(tmp_path, 10_000_000, KEY, PREFIX).scan() == []
+    assert not path.exists()
+
+
+def test_truncated_after_scan_is_removed_at_read(tmp_path: Path) -> None:
+    t = tier(tmp_path)
+    t.write("e1", TOKENS, os.urandom(20_000))
+    path = only_file(tmp_path)
+    os.truncate(path, 1000)
+    assert t.read("e1") is None
+    assert not path.exists()
+
+
+def test_garbage_and_wrong_key_files_are_removed(tmp_path: Path) -> None:
+    (tmp_path / f"{PREFIX}-junk.kv").write_bytes(b"not a kv file at all" * 10)
+    (tmp_path / f"{PREFIX}-empty.kv").write_bytes(b"")
+    other = DiskTier(tmp_path, 10_000_000, '{"model": "other"}', PREFIX)  # same prefix, by force
+    other.write("e2", TOKENS, b"x" * 100)
+    assert tier(tmp_path).scan() == []
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_other_keys_files_are_left_alone(tmp_path: Path) -> None:
+    mine, theirs = tier(tmp_path), tier(tmp_path, key='{"model": "b"}', prefix="bbbb")
+    mine.write("e1", TOKENS, b"a" * 100)
+    theirs.write("e1", TOKENS, b"b" * 100)
+    assert [e.eid for e in tier(tmp_path).scan()] == ["e1"]
+    assert theirs.read("e1") == bytearray(b"b" * 100)
+
+
+def test_cap_evicts_least_recently_used_across_the_directory(tmp_path: Path) -> None:
+    probe = tier(tmp_path)
+    probe.write("probe", TOKENS, bytes(10_000))
+    one = probe.nbytes
+    probe.remove("probe")
+    theirs = tier(tmp_path, key='{"model": "b"}', prefix="bbbb")
+    mine = tier(tmp_path, cap=3 * one)
+    theirs.write("old", TOKENS, bytes(10_000))
+    mine.write("a", TOKENS, bytes(10_000))
+    mine.write("b", TOKENS, bytes(10_000))
+    # Recency is the mtime: make the order explicit instead of relying on clock ticks.
+    os.utime(tmp_path / "bbbb-old.kv", (1000, 1000))
+    os.utime(tmp_path / f"{PREFIX}-a.kv", (2000, 2000))
+    os.utime(tmp_path / f"{PREFIX}-b.kv", (3000, 3000))
+    result = mine.write("c", TOKENS, bytes(10_000))
+    assert result.written and result.evicted == ()  # the other runner's old file went first
+    assert not (tmp_path / "bbbb-old.kv").exists()
+    assert mine.read("a") is not None  # a hit makes "a" the most recently used
+    result = mine.write("d", TOKENS, bytes(10_000))
+    assert result.evicted == ("b",)
+    assert (tmp_path / f"{PREFIX}-a.kv").exists()
+    assert sum(p.stat().st_size for p in tmp_path.iterdir()) <= 3 * one
+
+
+def test_entry_bigger_than_cap_is_not_written(tmp_path: Path) -> None:
+    t = tier(tmp_path, cap=1000)
+    assert not t.write("big", TOKENS, bytes(2000)).written
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_stale_temp_files_of_dead_writers_are_removed(tmp_path: Path) -> None:
+    dead = tmp_path / f"{PREFIX}-e1.kv.999999.tmp"
+    live = tmp_path / f"{PREFIX}-e2.kv.1234.tmp"
+    dead.write_bytes(b"partial")
+    live.write_bytes(b"partial")
+    t = DiskTier(tmp_path, 10_000, KEY, PREFIX, pid_alive=lambda pid: pid == 1234)
+    t.scan()
+    assert not dead.exists() and live.exists()
+
+
+@pytest.fixture
+def tiny_fs(tmp_path: Path) -> Iterator[Path]:
+    """A real 64 KiB tmpfs, to hit a real ENOSPC."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root to mount a tmpfs")
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_disk_full_skips_the_write(tiny_fs: Path, caplog: pytest.LogCaptureFixture) -> None:
+    t = tier(tiny_fs, cap=10_000_000)
+    assert t.write("small", TOKENS, bytes(1000)).written
+    result = t.write("big", TOKENS, bytes(200_000))
+    assert not result.written
+    assert "disk full" in caplog.text
+    assert [p.name for p in tiny_fs.iterdir()] == [f"{PREFIX}-small.kv"]  # temp cleaned up
+    assert t.read("small") == bytearray(1000) and "big" not in t
