@@ -1,0 +1,324 @@
+"""`elbowroom serve`, and `ps` / `load` / `unload`, which talk to a running server over HTTP."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from elbowroom.cli.common import add_common, print_json, settings_from, table
+from elbowroom.config import Settings
+from elbowroom.errors import ElbowroomError
+from elbowroom.server.deps import parse_keep_alive
+from elbowroom.units import format_size
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("serve", help="serve the OpenAI API (and the admin API under /api)")
+    add_common(p)
+    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default 8000; 0 picks one)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--preload", action="append", metavar="ID", help="load at start (repeat)")
+    p.add_argument("--pin", action="append", metavar="ID", help="load at start, never evict")
+    p.add_argument("--ctx", type=int, default=None, help="LLM context size (default: auto)")
+    p.add_argument("--kv-type", default=None, choices=("f16", "q8_0", "q4_0"))
+    p.add_argument("--keep-alive", default=None, help='idle LLM unload after, e.g. 300 or "5m"')
+    p.add_argument("--models-dir", type=Path, default=None, help="folder of model files")
+    p.add_argument("--model", action="append", type=Path, metavar="PATH", help="serve this file")
+    p.add_argument(
+        "--no-memory-guard",
+        dest="memory_guard",
+        action="store_const",
+        const=False,
+        default=None,
+        help="do not react to memory pressure (the monitor still samples)",
+    )
+    p.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"))
+    p.set_defaults(func=cmd_serve)
+
+    for name, helptext, func in (
+        ("ps", "list the running server's models, runners and memory", cmd_ps),
+        ("load", "load a model on the running server", cmd_load),
+        ("unload", "unload a model on the running server", cmd_unload),
+    ):
+        q = sub.add_parser(name, help=helptext)
+        q.add_argument("--json", action="store_true", help="print JSON for machines")
+        q.add_argument("--url", default=os.environ.get("ELBOWROOM_URL", DEFAULT_URL))
+        q.add_argument("--api-key", default=os.environ.get("ELBOWROOM_API_KEY"))
+        if name != "ps":
+            q.add_argument("model", help="model id (see elbowroom ls)")
+        if name == "load":
+            pin = q.add_mutually_exclusive_group()
+            pin.add_argument(
+                "--pin",
+                dest="pin",
+                action="store_const",
+                const=True,
+                help="pin it: never evicted, never expires",
+            )
+            pin.add_argument(
+                "--unpin",
+                dest="pin",
+                action="store_const",
+                const=False,
+                help="unpin it (it is evicted and expires like the others)",
+            )
+        q.set_defaults(func=func)
+
+
+# --- serve
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    keep_alive = None
+    if args.keep_alive is not None:
+        try:
+            keep_alive = parse_keep_alive(args.keep_alive)
+        except ElbowroomError as exc:
+            print(f"elbowroom: --keep-alive: {exc.message}", file=sys.stderr)
+            return 2
+    settings = settings_from(
+        args,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        preload=args.preload,
+        pin=args.pin,
+        ctx=args.ctx,
+        kv_type=args.kv_type,
+        keep_alive=keep_alive,
+        models_dir=args.models_dir,
+        model_paths=args.model,
+        log_level=args.log_level,
+        memory_guard=args.memory_guard,
+    )
+    from elbowroom.server.auth import check_exposure
+
+    refusal = check_exposure(settings.host, settings.api_key)
+    if refusal is not None:
+        print(f"elbowroom: {refusal}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        sock = _bind(settings.host, settings.port)
+    except OSError as exc:
+        print(
+            f"elbowroom: cannot listen on {settings.host}:{settings.port}: {exc}", file=sys.stderr
+        )
+        return 1
+    try:
+        return asyncio.run(_serve(settings, sock, as_json=args.json))
+    except KeyboardInterrupt:
+        return 130
+    except asyncio.CancelledError:  # SIGTERM while starting
+        return 143
+    except ElbowroomError as exc:
+        print(f"elbowroom: cannot start: {exc.message}", file=sys.stderr)
+        return 1
+    finally:
+        sock.close()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Bind before loading anything: a busy port fails in a second, not after a model load."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(False)  # runner processes must not hold the listening socket
+    return sock
+
+
+async def _serve(settings: Settings, sock: socket.socket, *, as_json: bool) -> int:
+    import uvicorn
+
+    from elbowroom.server.app import create_app, start_services, stop_services
+
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    # SIGINT already cancels us during startup (asyncio.run); make SIGTERM do the same.
+    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    try:
+        services = await start_services(settings)
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+
+    # From here uvicorn owns SIGINT/SIGTERM (graceful: finish responses, then return) and
+    # re-raises the signal when it returns; make that re-raise harmless so that the
+    # runners are always stopped below instead of the process dying first.
+    previous = {s: signal.signal(s, _ignore) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        app = create_app(settings, services=services)
+        config = uvicorn.Config(
+            app,
+            log_level=settings.log_level,
+            access_log=settings.log_level == "debug",
+            timeout_graceful_shutdown=max(1, round(settings.stop_grace)),
+        )
+        server = uvicorn.Server(config)
+        _announce(settings, sock, services, as_json)
+        await server.serve(sockets=[sock])
+    finally:
+        await stop_services(services)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
+
+
+def _ignore(signum: int, frame: Any) -> None:
+    return None
+
+
+def _announce(settings: Settings, sock: socket.socket, services: Any, as_json: bool) -> None:
+    host, port = sock.getsockname()[:2]
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+    report = dict(services.scheduler.memory_report())
+    if as_json:
+        print(
+            json.dumps({"url": url, "openai_base_url": url + "/v1", "memory": report}, default=str),
+            flush=True,
+        )
+        return
+    print(f"elbowroom listening on {url} (OpenAI base URL {url}/v1)", flush=True)
+    print(f"memory: {_budget_line(report)}", flush=True)
+    if settings.api_key:
+        print("auth: /v1 and /api need 'Authorization: Bearer <key>'", flush=True)
+
+
+def _budget_line(report: dict[str, Any]) -> str:
+    parts = []
+    for key in ("limit", "total", "reserve", "available", "committed"):
+        value = report.get(key)
+        if isinstance(value, int):
+            parts.append(f"{key} {format_size(value)}")
+    reason = report.get("limit_reason") or report.get("reason")
+    line = ", ".join(parts) if parts else "unknown"
+    return f"{line} ({reason})" if reason else line
+
+
+# --- client commands
+
+
+def cmd_ps(args: argparse.Namespace) -> int:
+    data = _call(args, "GET", "/api/ps")
+    if data is None:
+        return 1
+    if args.json:
+        print_json(data)
+        return 0
+    rows = [
+        [
+            m.get("id"),
+            m.get("kind"),
+            m.get("state"),
+            m.get("pid"),
+            format_size(m.get("bytes")),
+            "yes" if m.get("pinned") else "no",
+            m.get("busy", 0),
+            _expires(m.get("expires_in")),
+        ]
+        for m in data.get("models", [])
+    ]
+    if rows:
+        print(
+            table(["MODEL", "KIND", "STATE", "PID", "MEMORY", "PINNED", "BUSY", "UNLOAD IN"], rows)
+        )
+    else:
+        print("no models loaded")
+    memory = data.get("memory", {})
+    if "limit" in memory:
+        print(
+            f"\ncommitted {format_size(memory.get('committed'))} of "
+            f"{format_size(memory.get('limit'))} limit"
+        )
+    return 0
+
+
+def _expires(seconds: Any) -> str:
+    if seconds is None:
+        return "never"
+    return f"{float(seconds):.0f}s"
+
+
+def cmd_load(args: argparse.Namespace) -> int:
+    body = {} if args.pin is None else {"pin": args.pin}
+    data = _call(args, "POST", f"/api/models/{args.model}/load", body)
+    if data is None:
+        return 1
+    if args.json:
+        print_json(data)
+    else:
+        runner = data.get("runner", {})
+        extra = f", pid {runner['pid']}" if runner.get("pid") else ""
+        pinned = " (pinned)" if data.get("pinned") else ""
+        print(f"loaded {data.get('model')}{pinned}{extra}")
+    return 0
+
+
+def cmd_unload(args: argparse.Namespace) -> int:
+    data = _call(args, "POST", f"/api/models/{args.model}/unload")
+    if data is None:
+        return 1
+    if args.json:
+        print_json(data)
+    else:
+        print(f"unloaded {data.get('model')}")
+    return 0
+
+
+def _call(
+    args: argparse.Namespace, method: str, path: str, body: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
+    """One JSON request to the server; prints the server's error message and returns None."""
+    url = args.url.rstrip("/") + path
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("Content-Type", "application/json")
+    if args.api_key:
+        req.add_header("Authorization", f"Bearer {args.api_key}")
+    try:
+        with urllib.request.urlopen(req, timeout=600) as resp:
+            result: dict[str, Any] = json.loads(resp.read() or b"{}")
+            return result
+    except urllib.error.HTTPError as exc:
+        message = _error_message(exc)
+        if args.json:
+            print_json({"error": {"status": exc.code, "message": message}})
+        print(f"elbowroom: {method} {url}: {exc.code} {message}", file=sys.stderr)
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        print(
+            f"elbowroom: cannot reach the server at {args.url}: {reason} "
+            "(is `elbowroom serve` running? set --url)",
+            file=sys.stderr,
+        )
+    return None
+
+
+def _error_message(exc: urllib.error.HTTPError) -> str:
+    try:
+        body = json.loads(exc.read())
+        return str(body["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return str(exc.reason)

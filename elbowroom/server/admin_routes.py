@@ -1,0 +1,61 @@
+"""Admin API under /api: what is loaded, load/unload by hand, the memory report."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict
+
+from elbowroom.server.deps import get_services
+
+router = APIRouter(prefix="/api")
+
+
+class LoadRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    pin: bool | None = None  # True pins, False unpins, absent keeps the pin as it is
+
+
+@router.get("/ps")
+async def ps(request: Request) -> dict[str, Any]:
+    scheduler = get_services(request).scheduler
+    return {"models": scheduler.ps(), "memory": _summary(scheduler.memory_report())}
+
+
+@router.post("/models/{model_id:path}/load")
+async def load(request: Request, model_id: str, body: LoadRequest | None = None) -> dict[str, Any]:
+    services = get_services(request)
+    spec = services.catalog.get(model_id)  # 404 before any work
+    row = await services.scheduler.load(spec.id, pin=body.pin if body is not None else None)
+    return {"model": spec.id, "status": "loaded", "pinned": bool(row.get("pinned")), "runner": row}
+
+
+@router.post("/models/{model_id:path}/unload")
+async def unload(request: Request, model_id: str) -> dict[str, Any]:
+    services = get_services(request)
+    spec = services.catalog.get(model_id)
+    result = dict(await services.scheduler.unload(spec.id))
+    result.pop("id", None)
+    return {"model": spec.id, **result}
+
+
+@router.get("/memory")
+async def memory(request: Request, history: bool = False) -> dict[str, Any]:
+    services = get_services(request)
+    report: dict[str, Any] = dict(services.scheduler.memory_report())
+    if history:
+        monitor = services.monitor
+        report["history"] = [s.to_dict() for s in monitor.history()] if monitor is not None else []
+    return report
+
+
+def _summary(report: dict[str, Any]) -> dict[str, Any]:
+    """The few numbers `elbowroom ps` shows under its table."""
+    limit = report.get("limit")
+    return {
+        "limit": limit.get("value") if isinstance(limit, dict) else limit,
+        "committed": report.get("committed"),
+        "available": report.get("available"),
+        "pressure": report.get("pressure"),
+    }

@@ -1,0 +1,180 @@
+"""The app factory: routes, error handlers, auth, and the services' lifetime.
+
+``create_app(settings)`` builds the real services (catalog, probe, monitor, scheduler) in the
+lifespan and closes them on shutdown, which stops every runner process. Tests that isolate
+the HTTP layer pass ready ``services`` instead; the app then neither starts nor closes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import logging
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+
+from elbowroom import __version__
+from elbowroom.config import Settings
+from elbowroom.errors import ElbowroomError
+from elbowroom.server import admin_routes, openai_routes
+from elbowroom.server.auth import ApiKeyMiddleware
+from elbowroom.server.deps import Services
+from elbowroom.server.errors import install_error_handlers
+
+log = logging.getLogger("elbowroom.server")
+
+# Routers other modules own; included when present (each exposes ``router``).
+OPTIONAL_ROUTERS = (
+    "elbowroom.server.audio_routes",
+    "elbowroom.server.embeddings_routes",
+    "elbowroom.server.metrics",
+)
+
+OnReady = Callable[[Services], Awaitable[None] | None]
+
+
+def create_app(
+    settings: Settings,
+    *,
+    services: Services | None = None,
+    on_ready: OnReady | None = None,
+) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if services is not None:
+            yield
+            return
+        built = await start_services(settings)
+        app.state.services = built
+        try:
+            if on_ready is not None:
+                result = on_ready(built)
+                if result is not None:
+                    await result
+            yield
+        finally:
+            await stop_services(built)
+
+    app = FastAPI(
+        title="elbowroom",
+        version=__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        # A body without a Content-Type is parsed as JSON too (curl users forget -H).
+        strict_content_type=False,
+    )
+    if services is not None:
+        app.state.services = services
+    install_error_handlers(app)
+    # Starlette runs the middleware added last first: auth, then the guard's admission gate
+    # (503 while memory is under hard pressure), then metrics (which sees every answer).
+    if _exists("elbowroom.server.metrics"):
+        from elbowroom.server.metrics import MetricsMiddleware
+
+        app.add_middleware(MetricsMiddleware)
+    if _exists("elbowroom.guard.admission"):
+        from elbowroom.guard.admission import AdmissionMiddleware
+
+        app.add_middleware(AdmissionMiddleware, guard=lambda: _guard_of(app))
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+
+    @app.get("/health", include_in_schema=False)
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    app.include_router(openai_routes.router)
+    app.include_router(admin_routes.router)
+    for name in OPTIONAL_ROUTERS:
+        if _exists(name):
+            app.include_router(importlib.import_module(name).router)
+    return app
+
+
+def _exists(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _guard_of(app: FastAPI) -> Any:
+    services: Services | None = getattr(app.state, "services", None)
+    return services.guard if services is not None else None
+
+
+async def start_services(settings: Settings) -> Services:
+    """Discover models, start the memory monitor, the pressure guard and the scheduler, and
+    load what ``preload`` / ``pin`` ask for. Unknown ids there stop the start (a typo should
+    not go unnoticed); a model that cannot be loaded is logged and served later on demand."""
+    from elbowroom.guard.adapter import SchedulerTarget
+    from elbowroom.guard.guard import PressureGuard
+    from elbowroom.memory.budget import BudgetConfig
+    from elbowroom.memory.monitor import Monitor
+    from elbowroom.memory.probe import default_probe
+    from elbowroom.models.catalog import discover
+    from elbowroom.runtime.supervisor import supervisor_factory
+    from elbowroom.scheduler.loop import Scheduler
+
+    catalog = discover(settings)
+    for model_id in (*settings.preload, *settings.pin):
+        catalog.get(model_id)  # ModelNotFound names the id
+    probe = default_probe(settings)
+    scheduler = Scheduler(
+        settings,
+        catalog,
+        probe=probe,
+        runner_factory=supervisor_factory(settings),
+        measured=_measured_store(settings),
+    )
+    guard = PressureGuard(SchedulerTarget(scheduler), enabled=settings.memory_guard)
+    monitor = Monitor(
+        probe,
+        own_usage=_runners_resident,
+        cfg=BudgetConfig.from_settings(settings),
+        interval=settings.monitor_interval,
+        history_seconds=settings.monitor_history,
+        on_sample=guard.on_sample,
+    )
+    services = Services(settings, catalog, scheduler, monitor=monitor, guard=guard)
+    try:
+        await guard.start()
+        monitor.start()
+        await scheduler.start()  # loads settings.preload
+        for model_id in settings.pin:
+            try:
+                await scheduler.load(model_id, pin=True)
+            except ElbowroomError as exc:
+                log.error("cannot load pinned model %s: %s", model_id, exc.message)
+    except BaseException:
+        await stop_services(services)
+        raise
+    return services
+
+
+async def stop_services(services: Services) -> None:
+    """Stop sampling, then the guard, then every runner (the scheduler's close)."""
+    if services.monitor is not None:
+        await asyncio.to_thread(services.monitor.stop)
+    if services.guard is not None:
+        await services.guard.close()
+    await services.scheduler.close()
+
+
+def _runners_resident() -> int:
+    """Bytes our runner processes (the server's descendants) hold: the monitor's own_usage."""
+    from elbowroom.memory.process import measure_tree
+
+    try:
+        return measure_tree(os.getpid(), include_self=False).resident
+    except (ProcessLookupError, FileNotFoundError, PermissionError):
+        return 0
+
+
+def _measured_store(settings: Settings) -> Any:
+    from elbowroom.models.measured import MeasuredStore
+
+    return MeasuredStore(settings.measurements_path)

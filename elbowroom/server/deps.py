@@ -1,0 +1,92 @@
+"""What every router shares: the app's services, error responses and ``keep_alive`` parsing.
+
+Routers written by other modules (audio, embeddings) import from here so that they look
+and fail like the OpenAI routes: ``get_scheduler(request)``, ``get_catalog(request)``,
+``get_settings(request)``, ``error_response(err)``, ``parse_keep_alive(value)``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from elbowroom.config import Settings
+from elbowroom.errors import BadRequest, ElbowroomError
+
+
+@dataclass(slots=True)
+class Services:
+    """What the app serves with; built in the lifespan (or injected by tests)."""
+
+    settings: Settings
+    catalog: Any  # elbowroom.models.catalog.Catalog
+    scheduler: Any  # elbowroom.scheduler.loop.Scheduler
+    monitor: Any = None  # elbowroom.memory.monitor.Monitor
+    guard: Any = None  # elbowroom.guard.guard.PressureGuard
+
+
+def get_services(request: Request) -> Services:
+    services: Services | None = getattr(request.app.state, "services", None)
+    if services is None:  # only between process start and the end of the lifespan startup
+        raise ElbowroomError("the server is still starting")
+    return services
+
+
+def get_settings(request: Request) -> Settings:
+    return get_services(request).settings
+
+
+def get_catalog(request: Request) -> Any:
+    return get_services(request).catalog
+
+
+def get_scheduler(request: Request) -> Any:
+    return get_services(request).scheduler
+
+
+def error_response(err: ElbowroomError) -> JSONResponse:
+    """The one shape every HTTP error takes: OpenAI's ``{"error": {...}}``."""
+    return JSONResponse(err.to_openai(), status_code=err.status, headers=err.headers())
+
+
+_DURATION_RE = re.compile(r"(-?[0-9]+(?:\.[0-9]+)?)(ms|s|m|h)")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_keep_alive(value: Any) -> float | None:
+    """Ollama-style ``keep_alive``: seconds (number or numeric string) or a duration such as
+    "5m", "1h30m", "90s"; 0 unloads right after the request; negative keeps it forever
+    (``math.inf``). None means "use the server default". Anything else is a 400."""
+    if value is None:
+        return None
+    if isinstance(value, bool):  # bool is an int subclass: reject it explicitly
+        raise _bad_keep_alive(value)
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str):
+        text = value.strip().lower()
+        try:
+            seconds = float(text)
+        except ValueError:
+            parts = _DURATION_RE.findall(text)
+            if not parts or "".join(n + u for n, u in parts) != text:
+                raise _bad_keep_alive(value) from None
+            seconds = sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
+    else:
+        raise _bad_keep_alive(value)
+    if math.isnan(seconds):
+        raise _bad_keep_alive(value)
+    return math.inf if seconds < 0 else seconds
+
+
+def _bad_keep_alive(value: Any) -> BadRequest:
+    return BadRequest(
+        f"keep_alive {value!r} is not a duration: use seconds (300), a duration "
+        '("5m", "1h30m"), 0 to unload after the request or -1 to keep the model loaded',
+        param="keep_alive",
+    )

@@ -1,0 +1,105 @@
+"""Server-sent events, and holding a runner for exactly as long as a stream lives.
+
+``open_generation`` takes the model through the scheduler and waits for the runner's first
+event *before* any byte is sent, so errors that happen up front (unknown model, 507, queue
+full, a prompt over the context) still get their real HTTP status. After that, errors travel
+as one ``data: {"error": ...}`` event and the stream ends.
+
+``ManagedStream`` closes its body iterator when the response ends for any reason: on a
+client disconnect Starlette abandons the iterator, and closing it is what tells the runner
+to stop generating (the runner's request iterator cancels on close).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from elbowroom.errors import ElbowroomError
+
+log = logging.getLogger("elbowroom.server")
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+@dataclass(slots=True)
+class Generation:
+    """A runner held for one request: its first event and the rest of its events."""
+
+    first: dict[str, Any]
+    rest: AsyncIterator[dict[str, Any]]
+    _stack: AsyncExitStack
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        yield self.first
+        async for item in self.rest:
+            yield item
+
+    async def release(self, exc: BaseException | None = None) -> None:
+        """Close the runner's iterator (cancelling its work), then give the model back to the
+        scheduler. Shielded: it runs while the request task is being cancelled."""
+        with anyio.CancelScope(shield=True):
+            try:
+                if exc is None:
+                    await self._stack.aclose()
+                else:
+                    await self._stack.__aexit__(type(exc), exc, exc.__traceback__)
+            except Exception:
+                log.exception("error while releasing a runner")
+
+
+async def open_generation(
+    scheduler: Any, model: str, keep_alive: float | None, kind: str, payload: dict[str, Any]
+) -> Generation:
+    stack = AsyncExitStack()
+    try:
+        runner = await stack.enter_async_context(scheduler.use(model, keep_alive=keep_alive))
+        rest = runner.request(kind, payload)
+        stack.push_async_callback(_aclose, rest)
+        first = await rest.__anext__()
+    except StopAsyncIteration:
+        await stack.aclose()
+        raise ElbowroomError("the runner ended the request without a result") from None
+    except BaseException as exc:
+        with anyio.CancelScope(shield=True):
+            await stack.__aexit__(type(exc), exc, exc.__traceback__)
+        raise
+    return Generation(first, rest, stack)
+
+
+async def _aclose(iterator: AsyncIterator[Any]) -> None:
+    close = getattr(iterator, "aclose", None)
+    if close is not None:
+        await close()
+
+
+class ManagedStream(StreamingResponse):
+    """An SSE response whose body iterator is always closed, even after a disconnect."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes]) -> None:
+        super().__init__(
+            content,
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._content = content
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await _aclose(self._content)

@@ -1,0 +1,165 @@
+"""Stand-ins for the scheduler and catalog: the edge the HTTP-layer tests isolate.
+
+(A uniquely named module, not conftest.py: every conftest is imported as "conftest".)
+
+The runner yields what a real runner yields (deltas, then done) and records whether its
+request iterator was closed, which is how the server cancels generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elbowroom.config import Settings
+from elbowroom.errors import ElbowroomError, ModelNotFound
+from elbowroom.models.spec import Holding, ModelKind, ModelSpec
+from elbowroom.server.deps import Services
+
+
+def spec(model_id: str, kind: ModelKind = ModelKind.LLM, engine: str = "llama") -> ModelSpec:
+    return ModelSpec(
+        id=model_id,
+        kind=kind,
+        engine=engine,
+        path=Path("/nonexistent") / model_id,
+        size_bytes=1000,
+        holding=Holding.MMAP if kind == ModelKind.LLM else Holding.RESIDENT,
+        source="bundled",
+    )
+
+
+class FakeCatalog:
+    def __init__(self, *specs: ModelSpec) -> None:
+        self._specs = {s.id: s for s in specs}
+
+    def list(self) -> list[ModelSpec]:
+        return list(self._specs.values())
+
+    def get(self, model_id: str) -> ModelSpec:
+        try:
+            return self._specs[model_id]
+        except KeyError:
+            raise ModelNotFound(model_id) from None
+
+
+@dataclass
+class Script:
+    """What the next request does: pieces of text, then done; or an error after N pieces."""
+
+    pieces: tuple[str, ...] = ("Hel", "lo", "!")
+    finish_reason: str = "stop"
+    error_after: int | None = None
+    error: BaseException | None = None
+    hang_after_first: bool = False  # wait forever after the first piece (until cancelled)
+    usage: dict[str, int] = field(
+        default_factory=lambda: {"prompt_tokens": 7, "completion_tokens": 3, "cached_tokens": 2}
+    )
+
+
+class FakeRunner:
+    def __init__(self, scheduler: FakeScheduler) -> None:
+        self.scheduler = scheduler
+
+    async def request(self, kind: str, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        s = self.scheduler
+        s.requests.append((kind, payload))
+        script = s.script
+        try:
+            for i, piece in enumerate(script.pieces):
+                if script.error_after == i and script.error is not None:
+                    raise script.error
+                yield {"type": "delta", "text": piece}
+                if script.hang_after_first:
+                    await asyncio.Event().wait()
+            if script.error_after == len(script.pieces) and script.error is not None:
+                raise script.error
+            yield {
+                "type": "done",
+                "text": "".join(script.pieces),
+                "finish_reason": script.finish_reason,
+                "usage": script.usage,
+            }
+        finally:
+            s.closed += 1
+
+
+class FakeScheduler:
+    def __init__(self) -> None:
+        self.script = Script()
+        self.use_error: ElbowroomError | None = None
+        self.requests: list[tuple[str, dict[str, Any]]] = []
+        self.uses: list[tuple[str, float | None]] = []
+        self.released: list[BaseException | None] = []
+        self.closed = 0
+        self.loaded: dict[str, bool] = {}
+
+    @asynccontextmanager
+    async def use(self, model_id: str, keep_alive: float | None = None) -> AsyncIterator[Any]:
+        self.uses.append((model_id, keep_alive))
+        if self.use_error is not None:
+            raise self.use_error
+        try:
+            yield FakeRunner(self)
+        except BaseException as exc:
+            self.released.append(exc)
+            raise
+        else:
+            self.released.append(None)
+
+    async def load(self, model_id: str, pin: bool | None = None) -> dict[str, Any]:
+        self.loaded[model_id] = bool(pin if pin is not None else self.loaded.get(model_id))
+        return next(row for row in self.ps() if row["id"] == model_id)
+
+    async def unload(self, model_id: str) -> dict[str, Any]:
+        held = self.loaded.pop(model_id, None)
+        status = "not_loaded" if held is None else "unloaded"
+        return {"id": model_id, "status": status, "freed": 0 if held is None else 10}
+
+    def ps(self) -> list[dict[str, Any]]:
+        return [{"id": m, "pid": 1234, "pinned": p, "bytes": 10} for m, p in self.loaded.items()]
+
+    def memory_report(self) -> dict[str, Any]:
+        return {
+            "limit": {"value": 1000, "winner": {}},
+            "committed": 10 * len(self.loaded),
+            "available": 1000 - 10 * len(self.loaded),
+            "pressure": "normal",
+        }
+
+
+@dataclass
+class FakeSample:
+    available: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"available": self.available}
+
+
+class FakeMonitor:
+    def history(self) -> list[FakeSample]:
+        return [FakeSample(5)]
+
+
+def services(settings: Settings | None = None) -> tuple[Services, FakeScheduler]:
+    scheduler = FakeScheduler()
+    catalog = FakeCatalog(spec("smollm2-135m"), spec("whisper-tiny.en", ModelKind.ASR, "whisper"))
+    return (
+        Services(
+            settings=settings or Settings(),
+            catalog=catalog,
+            scheduler=scheduler,
+            monitor=FakeMonitor(),
+        ),
+        scheduler,
+    )
+
+
+@dataclass
+class Harness:
+    client: Any  # starlette TestClient (an httpx.Client)
+    scheduler: FakeScheduler
