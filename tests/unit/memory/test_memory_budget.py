@@ -1,0 +1,214 @@
+"""The pure budget: reserve tiers, limit candidates, thresholds, pressure, fits()."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import pytest
+
+from elbowroom.config import Settings
+from elbowroom.memory.budget import (
+    BudgetConfig,
+    assess,
+    fits,
+    limit_to_dict,
+    memory_limit,
+    os_reserve,
+    pressure_level,
+    ram_fraction,
+)
+from elbowroom.memory.types import Pressure, Psi, Snapshot
+from elbowroom.units import GiB, MiB
+
+CFG = BudgetConfig()
+
+
+def snap(total: int, available: int, **kw: Any) -> Snapshot:
+    base = Snapshot("linux", total, available, total - available, total, available)
+    return dataclasses.replace(base, **kw)
+
+
+@pytest.mark.parametrize(
+    ("total", "reserve"),
+    [
+        (16 * GiB, 4 * GiB),
+        (24 * GiB, 6 * GiB),
+        (64 * GiB, 6 * GiB),
+        (64 * GiB + 1, 8 * GiB),
+        (128 * GiB, 8 * GiB),
+        (512 * GiB, 12 * GiB),
+        # never more than half: small boards and containers still get a budget
+        (6 * GiB, 3 * GiB),
+        (512 * MiB, 256 * MiB),
+    ],
+)
+def test_os_reserve_tiers(total: int, reserve: int) -> None:
+    assert os_reserve(total) == reserve
+
+
+def test_fraction_tiers() -> None:
+    assert [ram_fraction(t * GiB) for t in (8, 16, 32, 64, 96, 128, 256)] == [
+        0.80,
+        0.80,
+        0.85,
+        0.85,
+        0.90,
+        0.90,
+        0.92,
+    ]
+
+
+def test_small_machine_is_bound_by_the_reserve() -> None:
+    limit = memory_limit(snap(16 * GiB, 14 * GiB), 0, CFG)
+    assert limit.winner == "reserve"
+    assert limit.value == 12 * GiB
+    assert [c.name for c in limit.candidates] == ["reserve", "fraction", "available"]
+
+
+def test_large_machine_is_bound_by_the_fraction() -> None:
+    limit = memory_limit(snap(256 * GiB, 250 * GiB), 0, CFG)
+    assert limit.winner == "fraction"
+    assert limit.value == int(256 * GiB * 0.92)
+    assert "92%" in limit.candidates[1].why
+
+
+def test_busy_machine_is_bound_by_what_is_available_plus_ours() -> None:
+    # 64 GiB machine, 10 GiB available, our runners hold 6 GiB of the used part
+    limit = memory_limit(snap(64 * GiB, 10 * GiB), 6 * GiB, CFG)
+    assert limit.winner == "available"
+    assert limit.value == 16 * GiB - 256 * MiB
+    assert "safety margin 256.0 MiB" in limit.candidates[-1].why
+
+
+def test_metal_working_set_is_a_candidate() -> None:
+    limit = memory_limit(snap(96 * GiB, 90 * GiB, gpu_working_set=72 * GiB), 0, CFG)
+    assert limit.winner == "gpu_working_set"
+    assert limit.value == 72 * GiB
+
+
+def test_discrete_gpus_do_not_bound_host_memory() -> None:
+    from elbowroom.memory.types import GpuMemory
+
+    gpus = (GpuMemory(0, "H100", 80 * GiB, 80 * GiB, 0), GpuMemory(1, "H100", 80 * GiB, 0, 0))
+    limit = memory_limit(snap(32 * GiB, 30 * GiB, gpus=gpus), 0, CFG)
+    assert {c.name for c in limit.candidates} == {"reserve", "fraction", "available"}
+    assert limit.value == 26 * GiB
+
+
+def test_configured_reserve_and_thresholds() -> None:
+    cfg = BudgetConfig(os_reserve=1 * GiB, soft_fraction=0.5, hard_fraction=0.75)
+    limit = memory_limit(snap(8 * GiB, 8 * GiB), 0, cfg)
+    assert limit.candidates[0].value == 7 * GiB
+    assert "set by os_reserve" in limit.candidates[0].why
+    assert limit.winner == "fraction"  # 80% of 8 GiB = 6.4 GiB < 7 GiB
+    assert (limit.soft, limit.hard) == (int(limit.value * 0.5), int(limit.value * 0.75))
+
+
+def test_reserve_larger_than_total_gives_zero_not_negative() -> None:
+    limit = memory_limit(snap(2 * GiB, 2 * GiB), 0, BudgetConfig(os_reserve=4 * GiB))
+    assert limit.value == 0 and limit.winner == "reserve"
+
+
+def test_config_from_settings_and_validation() -> None:
+    s = Settings(os_reserve=2 * GiB, safety_margin=64 * MiB, psi_soft=5.0, psi_hard=20.0)
+    cfg = BudgetConfig.from_settings(s)
+    assert (cfg.os_reserve, cfg.safety_margin, cfg.psi_soft, cfg.psi_hard) == (
+        2 * GiB,
+        64 * MiB,
+        5.0,
+        20.0,
+    )
+    with pytest.raises(ValueError, match="soft_fraction"):
+        BudgetConfig(soft_fraction=0.9, hard_fraction=0.8)
+
+
+# ---------------------------------------------------------------- pressure
+
+
+def level(s: Snapshot, own: int, cfg: BudgetConfig = CFG) -> Pressure:
+    return pressure_level(s, own, memory_limit(s, own, cfg), cfg)
+
+
+def test_pressure_from_our_usage_against_thresholds() -> None:
+    s = snap(16 * GiB, 12 * GiB)
+    limit = memory_limit(s, 0, CFG)
+    assert pressure_level(s, int(limit.value * 0.80), limit, CFG) is Pressure.NORMAL
+    assert pressure_level(s, limit.soft, limit, CFG) is Pressure.SOFT
+    assert pressure_level(s, limit.hard, limit, CFG) is Pressure.HARD
+
+
+def test_pressure_from_machine_wide_exhaustion() -> None:
+    assert level(snap(16 * GiB, 200 * MiB), 0) is Pressure.HARD  # < safety margin
+    assert level(snap(16 * GiB, 400 * MiB), 0) is Pressure.SOFT  # < twice the margin
+    assert level(snap(16 * GiB, 600 * MiB), 0) is Pressure.NORMAL
+
+
+def test_exhaustion_floors_shrink_on_small_totals() -> None:
+    # a 512 MiB container would otherwise be "soft" forever (margin 256 MiB × 2)
+    assert level(snap(512 * MiB, 300 * MiB), 0) is Pressure.NORMAL
+    assert level(snap(512 * MiB, 20 * MiB), 0) is Pressure.HARD
+
+
+def test_psi_only_raises_the_level() -> None:
+    calm = snap(16 * GiB, 12 * GiB)
+    assert level(dataclasses.replace(calm, psi=Psi(10.0, 0, 0, 0)), 0) is Pressure.SOFT
+    assert level(dataclasses.replace(calm, psi=Psi(40.0, 0, 0, 0)), 0) is Pressure.HARD
+    # PSI calm does not lower a hard level set by exhaustion
+    starved = dataclasses.replace(snap(16 * GiB, 100 * MiB), psi=Psi(0.0, 0, 0, 0))
+    assert level(starved, 0) is Pressure.HARD
+
+
+def test_macos_pressure_level_raises() -> None:
+    calm = snap(16 * GiB, 12 * GiB)
+    assert level(dataclasses.replace(calm, os_pressure="warn"), 0) is Pressure.SOFT
+    assert level(dataclasses.replace(calm, os_pressure="critical"), 0) is Pressure.HARD
+    assert level(dataclasses.replace(calm, os_pressure="normal"), 0) is Pressure.NORMAL
+
+
+def test_assess_names_every_signal() -> None:
+    s = dataclasses.replace(snap(16 * GiB, 100 * MiB), psi=Psi(55.0, 0, 0, 0))
+    limit = memory_limit(s, 0, CFG)
+    verdict = assess(s, 0, limit, CFG)
+    assert verdict.level is Pressure.HARD
+    assert len(verdict.reasons) == 2
+    assert "machine-wide" in verdict.reasons[0]
+    assert "PSI some avg10 55.0%" in verdict.reasons[1]
+
+
+# ---------------------------------------------------------------- fits
+
+
+def test_fits_and_shortfall_with_numbers_in_the_reason() -> None:
+    limit = memory_limit(snap(16 * GiB, 14 * GiB), 0, CFG)  # 12 GiB, reserve
+    ok = fits(2 * GiB, 10 * GiB, limit)
+    assert ok.ok and ok.shortfall == 0 and ok.available == 2 * GiB
+    assert "fits" in ok.reason
+    bad = fits(3 * GiB, 10 * GiB, limit)
+    assert not bad.ok
+    assert bad.shortfall == 1 * GiB
+    assert bad.available == 2 * GiB
+    assert (bad.needed, bad.committed, bad.limit) == (3 * GiB, 10 * GiB, 12 * GiB)
+    assert bad.reason == (
+        "needs 3.0 GiB but only 2.0 GiB of the 12.0 GiB limit (reserve) is free "
+        "with 10.0 GiB committed: short by 1.0 GiB"
+    )
+
+
+def test_fits_when_committed_already_exceeds_the_limit() -> None:
+    limit = memory_limit(snap(16 * GiB, 14 * GiB), 0, CFG)
+    f = fits(0, 13 * GiB, limit)
+    assert not f.ok and f.available == 0 and f.shortfall == 1 * GiB
+
+
+def test_fits_rejects_negative_sizes() -> None:
+    limit = memory_limit(snap(16 * GiB, 14 * GiB), 0, CFG)
+    with pytest.raises(ValueError):
+        fits(-1, 0, limit)
+
+
+def test_limit_to_dict_marks_the_winner() -> None:
+    data = json.loads(json.dumps(limit_to_dict(memory_limit(snap(16 * GiB, 14 * GiB), 0, CFG))))
+    assert data["winner"] == "reserve"
+    assert [c["winner"] for c in data["candidates"]] == [True, False, False]
