@@ -1,0 +1,606 @@
+"""The scheduler: the single owner of which models are loaded, and why.
+
+Everything runs on one asyncio event loop, so the state needs no locks: a decision and the
+bookkeeping that applies it happen with no ``await`` in between (a model chosen for
+eviction is marked STOPPING before anything else can run). The rules themselves are the
+pure functions of ``policy``; this module observes (probe, runners), asks and applies.
+
+Loads happen one at a time machine-wide (``_load_lock``): two loads sized against the same
+free memory would both fit on paper and not in RAM. After an eviction the next decision
+waits until the freed memory actually shows up in the probe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from elbowroom.config import Settings
+from elbowroom.errors import (
+    EngineError,
+    InsufficientMemory,
+    MemoryPressure,
+    QueueFull,
+    RunnerBackoff,
+    RunnerCrashed,
+)
+from elbowroom.memory import budget
+from elbowroom.memory.types import Pressure, Probe, Snapshot
+from elbowroom.models.spec import Holding, ModelSpec
+from elbowroom.runtime.protocol import Runner, RunnerFactory
+from elbowroom.scheduler import policy
+from elbowroom.scheduler.inputs import Estimator, Measurements, ModelCatalog, default_estimator
+from elbowroom.scheduler.records import Lane, Loaded, Phase
+from elbowroom.scheduler.report import describe, plain
+from elbowroom.scheduler.sizing import Plan, plan_load, start_options
+from elbowroom.units import format_size
+
+log = logging.getLogger("elbowroom.scheduler")
+
+_POLL = 0.05  # seconds between probe readings while waiting for memory or busy models
+_TICK = 1.0  # seconds between keep-alive checks: expiry is reported to the second anyway
+# Freed memory "shows up" when this share of the evicted anonymous bytes is available
+# again: other processes allocate meanwhile, and file-backed pages stay in the page cache.
+_SETTLE_FRACTION = 0.9
+
+Sleep = Callable[[float], Awaitable[None]]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        settings: Settings,
+        catalog: ModelCatalog,
+        *,
+        probe: Probe,
+        runner_factory: RunnerFactory,
+        measured: Measurements | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        own_usage: Callable[[], int] | None = None,
+        sleep: Sleep = asyncio.sleep,
+        estimator: Estimator | None = None,
+    ) -> None:
+        """``catalog``, ``measured`` and ``estimator`` default to / are the model layer's
+        Catalog, MeasuredStore and ``models.estimate``; ``probe``, ``runner_factory``,
+        ``clock``, ``sleep`` (waits while polling for memory) and ``own_usage`` (bytes our
+        runners hold; default: the sum of their ``measure()``) are the seams tests swap."""
+        self.settings = settings
+        self._catalog = catalog
+        self._probe = probe
+        self._factory = runner_factory
+        self._measured = measured
+        self._clock = clock
+        self._own_usage = own_usage if own_usage is not None else self._runners_usage
+        self._sleep = sleep
+        self._estimate = estimator if estimator is not None else default_estimator()
+        self._budget = budget.BudgetConfig.from_settings(settings)
+        self._lanes: dict[str, Lane] = {}
+        self._loaded: dict[str, Loaded] = {}
+        self._pins: set[str] = set(settings.pin)
+        self._load_lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._ticker: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
+        self.loads_paused = False  # set by the pressure guard (set_loads_paused)
+        # Read by the metrics module; plain ints so reading needs no lock.
+        self.counters: dict[str, int] = {
+            "loads": 0,
+            "load_failures": 0,
+            "unloads": 0,
+            "evictions_load": 0,
+            "evictions_keep_alive": 0,
+            "evictions_pressure": 0,
+            "crashes": 0,
+            "restarts": 0,
+            "refusals_503": 0,
+            "refusals_507": 0,
+        }
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Preload ``settings.preload`` (failures are logged, not raised) and start the
+        keep-alive ticker."""
+        self._bind_loop()
+        for model_id in self.settings.preload:
+            try:
+                await self.load(model_id)
+            except Exception as exc:
+                log.error("preload of %s failed: %s", model_id, exc)
+        self._ticker = asyncio.create_task(self._run_ticker(), name="scheduler-ticker")
+
+    async def close(self) -> None:
+        """Stop every runner (each gets ``settings.stop_grace``)."""
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+        loads = [lane.load_task for lane in self._lanes.values() if lane.load_task is not None]
+        for task in loads:
+            task.cancel()
+        await asyncio.gather(*loads, return_exceptions=True)
+        stops = [self._begin_stop(rec, "close") for rec in list(self._loaded.values())]
+        await asyncio.gather(*stops, return_exceptions=True)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # ------------------------------------------------------------------ requests
+
+    @contextlib.asynccontextmanager
+    async def use(self, model_id: str, *, keep_alive: float | None = None) -> AsyncIterator[Runner]:
+        """Run one request on ``model_id``'s runner, loading it first if needed.
+
+        ``keep_alive`` (seconds) overrides how long the model stays loaded once idle:
+        0 unloads it right after, negative or infinite keeps it until evicted."""
+        spec = self._catalog.get(model_id)
+        self._bind_loop()
+        lane = self._lane(spec.id)
+        if lane.slots.locked() and lane.waiting >= self.settings.queue_size:
+            self.counters["refusals_503"] += 1
+            retry = lane.mean_seconds * (lane.waiting + 1) / self.settings.concurrency
+            log.warning("queue of %s is full (%d waiting)", spec.id, lane.waiting)
+            raise QueueFull(
+                f"model {spec.id!r} has {lane.waiting} requests waiting "
+                f"(queue_size {self.settings.queue_size}); retry later",
+                retry_after=min(60.0, max(1.0, retry)),
+            )
+        lane.waiting += 1
+        try:
+            await lane.slots.acquire()
+        finally:
+            lane.waiting -= 1
+        lane.claims += 1
+        claimed = True
+        try:
+            rec = await self._ensure_loaded(spec, lane)
+            lane.claims -= 1
+            claimed = False
+            rec.busy += 1
+            started = self._clock()
+            crashed = True  # until the body returns or raises something else
+            try:
+                yield rec.runner
+                crashed = False
+            except RunnerCrashed:
+                raise
+            except BaseException:
+                crashed = False
+                raise
+            finally:
+                rec.busy -= 1
+                self._finish(rec, lane, keep_alive, started, crashed)
+        finally:
+            if claimed:
+                lane.claims -= 1
+            lane.slots.release()
+
+    def _finish(
+        self, rec: Loaded, lane: Lane, keep_alive: float | None, started: float, crashed: bool
+    ) -> None:
+        now = self._clock()
+        lane.note_duration(now - started)
+        if self._loaded.get(rec.spec.id) is not rec:
+            return  # crashed or unloaded meanwhile
+        rec.last_used = now
+        rec.last_used_wall = time.time()
+        if not crashed:
+            lane.crash_streak = 0
+        keep = keep_alive if keep_alive is not None else self._default_keep_alive(rec.spec)
+        rec.expires_at = self._expiry(rec, keep, now)
+        wanted = rec.busy > 0 or lane.claims > 0 or lane.waiting > 0
+        if not wanted and rec.unload_when_idle is not None:
+            self._spawn(self._begin_stop(rec, rec.unload_when_idle))
+        elif not wanted and not rec.pinned and keep == 0:
+            self._spawn(self._begin_stop(rec, "keep_alive"))
+
+    def _expiry(self, rec: Loaded, keep: float, now: float) -> float | None:
+        if rec.pinned or keep < 0 or math.isinf(keep):
+            return None
+        return now + keep
+
+    def _default_keep_alive(self, spec: ModelSpec) -> float:
+        if spec.holding is Holding.RESIDENT:
+            return self.settings.resident_idle
+        return self.settings.keep_alive
+
+    # ------------------------------------------------------------------ loading
+
+    async def _ensure_loaded(self, spec: ModelSpec, lane: Lane) -> Loaded:
+        while True:
+            rec = self._loaded.get(spec.id)
+            if rec is not None and rec.phase is Phase.READY:
+                return rec
+            if rec is not None and rec.phase is Phase.STOPPING:
+                await rec.stopped.wait()
+                continue
+            if lane.load_task is None:
+                self._check_backoff(spec.id, lane)
+                task = asyncio.create_task(self._load(spec, lane), name=f"load-{spec.id}")
+                task.add_done_callback(_retrieve)
+                lane.load_task = task
+            # Shielded: a client that gives up must not abort a load others wait for.
+            await asyncio.shield(lane.load_task)
+
+    def _check_backoff(self, model_id: str, lane: Lane) -> None:
+        remaining = lane.backoff_until - self._clock()
+        if remaining > 0:
+            self.counters["refusals_503"] += 1
+            raise RunnerBackoff(
+                f"model {model_id!r} failed {lane.crash_streak} times in a row "
+                f"(last: {lane.last_cause}); the next restart is in {remaining:.0f} s",
+                retry_after=remaining,
+            )
+
+    async def _load(self, spec: ModelSpec, lane: Lane) -> Loaded:
+        try:
+            async with self._load_lock:
+                plan = await self._make_room(spec)
+                return await self._start_runner(spec, lane, plan)
+        finally:
+            lane.load_task = None
+
+    async def _make_room(self, spec: ModelSpec) -> Plan:
+        """Evict or wait until ``spec`` fits; raise InsufficientMemory when it never will."""
+        wait_deadline: float | None = None
+        await self._wait_unpaused(spec.id)
+        while True:
+            await self._drain_stops()
+            snap, limit = self._observe()
+            state = self._state(limit.value)
+            plan = plan_load(spec, self.settings, state, self._estimate, self._measured)
+            decision = policy.decide(state, plan.request)
+            if isinstance(decision, policy.Admit):
+                return plan
+            if isinstance(decision, policy.Refuse):
+                raise self._refusal(decision)
+            if isinstance(decision, policy.Evict):
+                await self._evict(decision, snap, for_model=spec.id)
+                continue
+            now = self._clock()
+            if wait_deadline is None:
+                wait_deadline = now + self.settings.load_timeout
+                log.info("load of %s waits for busy model(s) %s", spec.id, decision.busy)
+            if now >= wait_deadline:
+                raise self._refusal(policy.refuse(state, plan.request))
+            await self._sleep(_POLL)
+
+    async def _wait_unpaused(self, model_id: str) -> None:
+        if not self.loads_paused:
+            return
+        log.info("load of %s waits: loads are paused under memory pressure", model_id)
+        deadline = self._clock() + self.settings.load_timeout
+        while self.loads_paused:
+            if self._clock() >= deadline:
+                self.counters["refusals_503"] += 1
+                raise MemoryPressure(
+                    f"cannot load {model_id!r} now: loads are paused under memory pressure",
+                    retry_after=10.0,
+                )
+            await self._sleep(_POLL)
+
+    async def _start_runner(self, spec: ModelSpec, lane: Lane, plan: Plan) -> Loaded:
+        runner = self._factory(spec, self._on_exit)
+        rec = Loaded(
+            spec=spec,
+            runner=runner,
+            predicted=plan.footprint.total,
+            n_ctx=plan.n_ctx,
+            kv_type=plan.kv_type,
+            slots=plan.slots,
+            pinned=spec.id in self._pins,
+        )
+        self._loaded[spec.id] = rec  # its predicted bytes are now a reservation
+        try:
+            info = await runner.start(start_options(self.settings, plan))
+        except BaseException as exc:
+            self._forget(rec)
+            self.counters["load_failures"] += 1
+            if isinstance(exc, RunnerCrashed | EngineError):
+                lane.note_crash(self._clock(), str(exc), *self._backoff_range())
+            log.error("load of %s failed: %s", spec.id, exc)
+            if isinstance(exc, asyncio.CancelledError):
+                with contextlib.suppress(Exception):
+                    await runner.stop(self.settings.stop_grace)
+            raise
+        now = self._clock()
+        rec.ready = info
+        rec.phase = Phase.READY
+        rec.last_used, rec.last_used_wall = now, time.time()
+        rec.expires_at = self._expiry(rec, self._default_keep_alive(spec), now)
+        self.counters["loads"] += 1
+        if lane.crash_streak > 0:
+            lane.restarts += 1
+            self.counters["restarts"] += 1
+        if self._measured is not None:
+            self._measured.record(spec, plan.n_ctx, plan.slots, plan.kv_type, info.measured)
+        log.info(
+            "loaded %s (pid %s) in %.2f s: predicted %s, measured %s "
+            "(anonymous %s, file-backed %s), n_ctx %s",
+            spec.id,
+            info.pid,
+            info.load_seconds,
+            format_size(plan.footprint.total),
+            format_size(info.measured.resident),
+            format_size(info.measured.anonymous),
+            format_size(info.measured.file_backed),
+            plan.n_ctx or "-",
+        )
+        return rec
+
+    def _refusal(self, refusal: policy.Refuse) -> InsufficientMemory:
+        self.counters["refusals_507"] += 1
+        log.warning(
+            "refused %s: needs %s, available %s, evictable %s, limit %s, committed %s",
+            refusal.model,
+            format_size(refusal.needed),
+            format_size(refusal.available),
+            format_size(refusal.evictable),
+            format_size(refusal.limit),
+            format_size(refusal.committed),
+        )
+        return InsufficientMemory(
+            refusal.message(), code="insufficient_memory", details=refusal.details()
+        )
+
+    # ------------------------------------------------------------------ unloading
+
+    async def _evict(self, decision: policy.Evict, before: Snapshot, *, for_model: str) -> None:
+        expected = 0
+        stops = []
+        for model_id in decision.ids:
+            rec = self._loaded[model_id]
+            mem = rec.measure() or (rec.ready.measured if rec.ready else None)
+            expected += mem.anonymous if mem is not None else 0
+            log.info(
+                "evicting %s (%s, last used %.0f s ago) to load %s",
+                model_id,
+                format_size(rec.held_bytes()),
+                self._clock() - rec.last_used,
+                for_model,
+            )
+            stops.append(self._begin_stop(rec, "load"))
+        await asyncio.gather(*stops)
+        await self._settle(before.available, expected)
+
+    async def _settle(self, before_available: int, expected: int) -> None:
+        """Wait until ``expected`` freed bytes show up as available (or the deadline)."""
+        target = before_available + int(expected * _SETTLE_FRACTION)
+        deadline = self._clock() + self.settings.unload_settle_timeout
+        while True:
+            available = self._probe().available
+            if available >= target:
+                return
+            if self._clock() >= deadline:
+                log.warning(
+                    "freed memory did not show up within %.1f s (available %s, expected %s)",
+                    self.settings.unload_settle_timeout,
+                    format_size(available),
+                    format_size(target),
+                )
+                return
+            await self._sleep(_POLL)
+
+    def _begin_stop(self, rec: Loaded, reason: str) -> asyncio.Task[None]:
+        """Mark ``rec`` STOPPING now (no await: nothing can pick it meanwhile) and stop it
+        in a task; idempotent."""
+        if rec.stop_task is None:
+            freed = rec.held_bytes()
+            rec.phase = Phase.STOPPING
+            rec.stop_task = asyncio.create_task(self._stop(rec, reason, freed))
+            rec.stop_task.add_done_callback(_retrieve)
+        return rec.stop_task
+
+    async def _stop(self, rec: Loaded, reason: str, freed: int) -> None:
+        try:
+            await rec.runner.stop(self.settings.stop_grace)
+        except Exception as exc:
+            log.error("stopping %s failed: %s", rec.spec.id, exc)
+        finally:
+            self._forget(rec)
+            self.counters["unloads"] += 1
+            key = f"evictions_{reason}"
+            if key in self.counters:
+                self.counters[key] += 1
+            log.info("unloaded %s (%s): freed %s", rec.spec.id, reason, format_size(freed))
+
+    async def _drain_stops(self) -> None:
+        stops = [r.stop_task for r in self._loaded.values() if r.stop_task is not None]
+        await asyncio.gather(*stops, return_exceptions=True)
+
+    def _forget(self, rec: Loaded) -> None:
+        if self._loaded.get(rec.spec.id) is rec:
+            del self._loaded[rec.spec.id]
+        rec.stopped.set()
+
+    def _on_exit(self, runner: Runner, cause: str) -> None:
+        """The runner's process exited on its own (crash, OOM kill, kill -9)."""
+        loop = self._loop
+        if loop is not None and threading.get_ident() != self._loop_thread:
+            loop.call_soon_threadsafe(self._on_exit, runner, cause)
+            return
+        rec = self._loaded.get(runner.spec.id)
+        # A stop we asked for, or a load that failed (start() raises), is handled there.
+        if rec is None or rec.runner is not runner or rec.phase is not Phase.READY:
+            return
+        self._forget(rec)
+        lane = self._lane(rec.spec.id)
+        lane.note_crash(self._clock(), cause, *self._backoff_range())
+        self.counters["crashes"] += 1
+        log.warning(
+            "runner of %s (pid %s) exited: %s; %d in flight fail; restart %s",
+            rec.spec.id,
+            runner.pid,
+            cause,
+            rec.busy,
+            "on next request"
+            if lane.backoff_until <= self._clock()
+            else f"in {lane.backoff_until - self._clock():.0f} s",
+        )
+
+    def _backoff_range(self) -> tuple[float, float]:
+        return self.settings.crash_backoff_initial, self.settings.crash_backoff_max
+
+    # ------------------------------------------------------------------ admin API
+
+    async def load(self, model_id: str, *, pin: bool | None = None) -> dict[str, Any]:
+        """Load ``model_id`` now (no-op if loaded). ``pin`` True pins it (never evicted nor
+        expired), False unpins it, None keeps its pin state (``settings.pin``)."""
+        spec = self._catalog.get(model_id)
+        self._bind_loop()
+        if pin is True:
+            self._pins.add(spec.id)
+        elif pin is False:
+            self._pins.discard(spec.id)
+        rec = await self._ensure_loaded(spec, self._lane(spec.id))
+        rec.pinned = spec.id in self._pins
+        if rec.busy == 0:
+            rec.expires_at = self._expiry(rec, self._default_keep_alive(spec), self._clock())
+        return describe(rec, self._lanes.get(spec.id), self._clock())
+
+    async def unload(self, model_id: str, *, reason: str = "explicit") -> dict[str, Any]:
+        """Unload ``model_id`` now, or as soon as its requests in flight finish.
+        ``reason`` ("explicit", "pressure") goes to the log and the eviction counters."""
+        spec = self._catalog.get(model_id)
+        lane = self._lanes.get(spec.id)
+        if lane is not None and lane.load_task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(lane.load_task)
+        rec = self._loaded.get(spec.id)
+        if rec is None:
+            return {"id": spec.id, "status": "not_loaded", "freed": 0}
+        if rec.busy > 0:
+            rec.unload_when_idle = reason
+            return {"id": spec.id, "status": "unloading_when_idle", "busy": rec.busy, "freed": 0}
+        freed = rec.held_bytes()
+        await self._begin_stop(rec, reason)
+        return {"id": spec.id, "status": "unloaded", "freed": freed}
+
+    async def tick(self) -> list[str]:
+        """Unload the models whose keep-alive ran out; the ticker calls this every second."""
+        ids = policy.expired(self._state(0), self._clock())
+        await asyncio.gather(*(self._begin_stop(self._loaded[i], "keep_alive") for i in ids))
+        return ids
+
+    async def relieve_pressure(self, level: Pressure) -> list[str]:
+        """Unload idle models per ``policy.relieve`` (for the pressure guard)."""
+        snap, limit = self._observe()
+        excess = self._own_usage() - int(limit.soft)
+        ids = policy.relieve(self._state(limit.value), level, excess)
+        if ids:
+            log.warning(
+                "%s memory pressure (available %s): unloading %s",
+                level.label,
+                format_size(snap.available),
+                ", ".join(ids),
+            )
+        await asyncio.gather(*(self._begin_stop(self._loaded[i], "pressure") for i in ids))
+        return ids
+
+    def ps(self) -> list[dict[str, Any]]:
+        now = self._clock()
+        return [describe(rec, self._lanes.get(i), now) for i, rec in self._loaded.items()]
+
+    def memory_report(self) -> dict[str, Any]:
+        snap, limit = self._observe()
+        own = self._own_usage()
+        assessment = budget.assess(snap, own, limit, self._budget)
+        committed = sum(rec.held_bytes() for rec in self._loaded.values())
+        return {
+            "snapshot": plain(snap),
+            "limit": budget.limit_to_dict(limit),
+            "thresholds": {"soft": limit.soft, "hard": limit.hard},
+            "pressure": assessment.level.label,
+            "pressure_reasons": list(assessment.reasons),
+            "own_usage": own,
+            "committed": committed,
+            "available": max(0, limit.value - committed),
+            "reservations": [
+                {"id": rec.spec.id, "bytes": rec.predicted}
+                for rec in self._loaded.values()
+                if rec.phase is Phase.LOADING
+            ],
+            "loads_paused": self.loads_paused,
+        }
+
+    def models(self) -> tuple[policy.ModelState, ...]:
+        """The loaded models as the policy sees them (for the pressure guard)."""
+        return self._state(0).models
+
+    def set_loads_paused(self, paused: bool) -> None:
+        """The pressure guard pauses new loads under soft pressure; a load waits for the
+        resume up to ``settings.load_timeout``, then fails with 503 MemoryPressure."""
+        if paused != self.loads_paused:
+            log.warning("loads %s", "paused (memory pressure)" if paused else "resumed")
+        self.loads_paused = paused
+
+    # ------------------------------------------------------------------ helpers
+
+    def _observe(self) -> tuple[Snapshot, budget.Limit]:
+        snap = self._probe()
+        return snap, budget.memory_limit(snap, self._own_usage(), self._budget)
+
+    def _state(self, limit: int) -> policy.State:
+        models = []
+        for rec in self._loaded.values():
+            lane = self._lanes.get(rec.spec.id)
+            claims = lane.claims if lane is not None else 0
+            models.append(
+                policy.ModelState(
+                    id=rec.spec.id,
+                    kind=rec.spec.kind,
+                    holding=rec.spec.holding,
+                    bytes=rec.held_bytes(),
+                    pinned=rec.pinned,
+                    busy=rec.busy + claims,
+                    last_used=rec.last_used,
+                    expires_at=rec.expires_at,
+                    # Stopping models still hold their bytes and cannot be chosen again.
+                    loading=rec.phase is not Phase.READY,
+                )
+            )
+        return policy.State(tuple(models), limit)
+
+    def _runners_usage(self) -> int:
+        total = 0
+        for rec in self._loaded.values():
+            mem = rec.measure()
+            total += mem.resident if mem is not None else 0
+        return total
+
+    def _lane(self, model_id: str) -> Lane:
+        lane = self._lanes.get(model_id)
+        if lane is None:
+            lane = self._lanes[model_id] = Lane(asyncio.Semaphore(self.settings.concurrency))
+        return lane
+
+    def _bind_loop(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._loop_thread = threading.get_ident()
+
+    def _spawn(self, awaitable: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(awaitable)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run_ticker(self) -> None:
+        while True:
+            await asyncio.sleep(_TICK)
+            try:
+                await self.tick()
+            except Exception:
+                log.exception("keep-alive tick failed")
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    """Mark a background task's exception as seen: its awaiters (if any) got it already."""
+    if not task.cancelled():
+        task.exception()

@@ -1,0 +1,94 @@
+"""The loop's mutable per-model bookkeeping. Only ``loop.Scheduler`` touches these.
+
+A ``Lane`` exists for every model that was ever requested (its queue, concurrency slots and
+crash history outlive any one runner); a ``Loaded`` record exists while a runner holds the
+model (loading, ready or stopping).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+
+from elbowroom.memory.types import ProcessMemory
+from elbowroom.models.spec import ModelSpec
+from elbowroom.runtime.protocol import ReadyInfo, Runner
+
+
+class Phase(enum.StrEnum):
+    LOADING = "loading"
+    READY = "ready"
+    STOPPING = "stopping"
+
+
+def backoff_delay(streak: int, initial: float, maximum: float) -> float:
+    """Seconds to wait before restarting after ``streak`` consecutive crashes.
+
+    The first crash restarts at once (a one-off OOM kill should not cost a client 10 s);
+    from the second on the delay is ``initial``, doubling, capped at ``maximum``."""
+    if streak < 2:
+        return 0.0
+    return float(min(maximum, initial * 2 ** (streak - 2)))
+
+
+@dataclass(slots=True)
+class Lane:
+    """Queue, concurrency and crash history of one model id."""
+
+    slots: asyncio.Semaphore
+    waiting: int = 0  # requests waiting for a concurrency slot (bounded by queue_size)
+    claims: int = 0  # requests holding a slot that do not run on a runner yet
+    crash_streak: int = 0  # consecutive crashes or failed loads; reset by a served request
+    backoff_until: float = 0.0  # clock seconds
+    last_cause: str | None = None
+    restarts: int = 0  # loads that followed a crash
+    load_task: asyncio.Task[Loaded] | None = None
+    mean_seconds: float = 1.0  # moving average of request durations, for Retry-After
+
+    def note_crash(self, now: float, cause: str, initial: float, maximum: float) -> None:
+        self.crash_streak += 1
+        self.last_cause = cause
+        self.backoff_until = now + backoff_delay(self.crash_streak, initial, maximum)
+
+    def note_duration(self, seconds: float) -> None:
+        # Exponential moving average: recent requests say more about the next wait.
+        self.mean_seconds = 0.8 * self.mean_seconds + 0.2 * max(0.0, seconds)
+
+
+@dataclass(slots=True)
+class Loaded:
+    """One runner and what the scheduler knows about it."""
+
+    spec: ModelSpec
+    runner: Runner
+    predicted: int  # predicted bytes (the reservation while loading)
+    n_ctx: int
+    kv_type: str
+    slots: int
+    pinned: bool
+    phase: Phase = Phase.LOADING
+    busy: int = 0
+    last_used: float = 0.0  # clock seconds
+    last_used_wall: float | None = None  # time.time() of last_used, for people
+    expires_at: float | None = None  # clock seconds; None: never
+    ready: ReadyInfo | None = None
+    unload_when_idle: str | None = None  # reason of an unload asked while requests ran
+    stop_task: asyncio.Task[None] | None = None
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def measure(self) -> ProcessMemory | None:
+        """The runner's bytes now; None when they cannot be read (process just died)."""
+        try:
+            return self.runner.measure()
+        except Exception:  # a vanished /proc entry must not break a decision
+            return None
+
+    def held_bytes(self) -> int:
+        """Bytes to count as committed: the prediction while loading; else the larger of now
+        and right after load (mmap pages the OS dropped come back when the model runs)."""
+        if self.phase is Phase.LOADING or self.ready is None:
+            return self.predicted
+        now = self.measure()
+        live = now.resident if now is not None else 0
+        return max(live, self.ready.measured.resident)

@@ -1,0 +1,67 @@
+"""Plain-JSON views of the scheduler's state for /api/ps, /api/memory and the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from elbowroom.scheduler.records import Lane, Loaded
+
+
+def plain(value: Any) -> Any:
+    """Dataclasses, enums, paths and tuples as JSON-ready dicts, strings and lists."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def iso(wall: float | None) -> str | None:
+    if wall is None:
+        return None
+    return datetime.fromtimestamp(wall, tz=UTC).isoformat(timespec="seconds")
+
+
+def describe(rec: Loaded, lane: Lane | None, now: float) -> dict[str, Any]:
+    """One row of ``Scheduler.ps()``. ``now`` is the scheduler clock (for expires_at)."""
+    mem = rec.measure()
+    wall_now = time.time()  # display only: clock seconds become wall-clock instants
+    expires = None if rec.expires_at is None else wall_now + (rec.expires_at - now)
+    ready = rec.ready
+    return {
+        "id": rec.spec.id,
+        "kind": rec.spec.kind.value,
+        "engine": rec.spec.engine,
+        "holding": rec.spec.holding.value,
+        "state": rec.phase.value,
+        "pid": rec.runner.pid,
+        "pinned": rec.pinned,
+        "busy": rec.busy,
+        "waiting": lane.waiting if lane is not None else 0,
+        "anonymous": mem.anonymous if mem is not None else 0,
+        "file_backed": mem.file_backed if mem is not None else 0,
+        "gpu": mem.gpu if mem is not None else 0,
+        "bytes": rec.held_bytes(),
+        "predicted": rec.predicted,
+        "n_ctx": rec.n_ctx or None,
+        "kv_type": rec.kv_type if rec.n_ctx else None,
+        "slots": rec.slots if rec.n_ctx else None,
+        "last_used": iso(rec.last_used_wall),
+        "expires_at": iso(expires),
+        "load_seconds": ready.load_seconds if ready is not None else None,
+        "restarts": lane.restarts if lane is not None else 0,
+    }

@@ -1,0 +1,105 @@
+"""What a load will cost: the context size of an LLM and the predicted footprint.
+
+Pure given its inputs (the estimate functions are pure; the measured store is read-only
+here). The loop turns the result into a ``policy.LoadRequest``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from elbowroom.config import Settings
+from elbowroom.models.spec import Footprint, ModelKind, ModelSpec
+from elbowroom.scheduler.inputs import Estimator, Measurements
+from elbowroom.scheduler.policy import ContextCost, LoadRequest, State
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    request: LoadRequest
+    footprint: Footprint
+    n_ctx: int  # 0 for engines without a context
+    kv_type: str
+    slots: int
+
+
+def has_context(spec: ModelSpec) -> bool:
+    return spec.kind is ModelKind.LLM
+
+
+def unevictable_bytes(state: State, model_id: str) -> int:
+    """Bytes held by other models that a load cannot evict: busy, pinned, loading."""
+    return sum(m.bytes for m in state.models if m.id != model_id and (m.pinned or not m.idle))
+
+
+def plan_load(
+    spec: ModelSpec,
+    settings: Settings,
+    state: State,
+    estimate: Estimator,
+    measured: Measurements | None,
+) -> Plan:
+    """Size the load of ``spec``.
+
+    LLM context: ``settings.ctx`` when given, else ``auto_context`` over the budget left by
+    models that cannot be evicted (idle ones may be evicted for a larger context).
+    When not even ``min_ctx`` fits, the plan is sized at ``min_ctx``: ``policy.decide``
+    then waits for busy models or refuses with the numbers."""
+    kv_type, slots = settings.kv_type, settings.slots
+    if not has_context(spec):
+        fp = _footprint(estimate, spec, 0, 1, kv_type, measured)
+        return Plan(LoadRequest(spec.id, fp.total), fp, 0, kv_type, 1)
+
+    if settings.ctx is not None:
+        n_ctx = settings.ctx
+    else:
+        budget = state.limit - unevictable_bytes(state, spec.id)
+        n_ctx = estimate.auto_context(
+            spec, max(0, budget), settings.max_ctx, settings.min_ctx, slots, kv_type
+        )
+        if n_ctx <= 0:
+            n_ctx = settings.min_ctx
+    fp = _footprint(estimate, spec, n_ctx, slots, kv_type, measured)
+    per_token_q8: float | None = None
+    if kv_type == "f16":
+        q8 = estimate.footprint(spec, n_ctx, slots=slots, kv_type="q8_0")
+        per_token_q8 = q8.kv_bytes / n_ctx
+    cost = ContextCost(
+        n_ctx=n_ctx,
+        kv_type=kv_type,
+        fixed=fp.total - fp.kv_bytes,
+        per_token=fp.kv_bytes / n_ctx,
+        min_ctx=min(settings.min_ctx, n_ctx),
+        per_token_q8=per_token_q8,
+    )
+    return Plan(LoadRequest(spec.id, fp.total, cost), fp, n_ctx, kv_type, slots)
+
+
+def _footprint(
+    estimate: Estimator,
+    spec: ModelSpec,
+    n_ctx: int,
+    slots: int,
+    kv_type: str,
+    store: Measurements | None,
+) -> Footprint:
+    known = store.lookup(spec, n_ctx, slots, kv_type) if store is not None else None
+    return estimate.footprint(spec, n_ctx, slots=slots, kv_type=kv_type, measured=known)
+
+
+def start_options(settings: Settings, plan: Plan) -> dict[str, Any]:
+    """What the runner's engine is loaded with."""
+    return {
+        "n_ctx": plan.n_ctx,
+        "kv_type": plan.kv_type,
+        "slots": plan.slots,
+        "threads": settings.threads,
+        "mlock": settings.mlock,
+        "max_tokens_cap": settings.max_tokens_cap,
+        "kv_cache": settings.kv_cache,
+        "kv_cache_dir": str(settings.kv_cache_path),
+        "kv_ram_max": settings.kv_ram_max,
+        "kv_disk_max": settings.kv_disk_max,
+        "kv_block_tokens": settings.kv_block_tokens,
+    }

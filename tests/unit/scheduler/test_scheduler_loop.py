@@ -1,0 +1,541 @@
+"""Scheduler (loop.py) over a fake machine: loads, eviction, refusals, queues, keep-alive,
+crashes. The runner processes and the model layer are the faked edges; the scheduler is
+real. The fake machine's limit is 800 MiB (see scheduler_fakes.harness)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+from scheduler_fakes import Harness, harness, request, run, spec, until
+
+from elbowroom.errors import (
+    EngineError,
+    InsufficientMemory,
+    MemoryPressure,
+    ModelNotFound,
+    QueueFull,
+    RunnerBackoff,
+    RunnerCrashed,
+)
+from elbowroom.memory.types import Pressure
+from elbowroom.models.spec import ModelKind
+from elbowroom.units import MiB
+
+A, B, C = spec("a", size_mib=300), spec("b", size_mib=300), spec("c", size_mib=300)
+BIG = spec("big", size_mib=550)
+HUGE = spec("huge", size_mib=900)
+LLM = spec("llm", ModelKind.LLM, size_mib=100)
+
+
+async def hold_request(h: Harness, model_id: str) -> tuple[asyncio.Task[str], asyncio.Event]:
+    """Start a request on ``model_id`` that stays in flight until the event is set."""
+    gate = h.machine.holds[model_id] = asyncio.Event()
+    task = asyncio.create_task(request(h, model_id))
+    await until(lambda: any(r.spec.id == model_id and r.in_request for r in h.runners))
+    return task, gate
+
+
+# --- loading
+
+
+def test_loads_lazily_on_first_use_and_reuses_the_runner() -> None:
+    async def scenario() -> None:
+        h = harness(A)
+        assert h.sched.ps() == []
+        async with h.sched.use("a") as runner:
+            (row,) = h.sched.ps()
+            assert row["id"] == "a" and row["state"] == "ready" and row["busy"] == 1
+            assert row["anonymous"] == 300 * MiB and row["predicted"] == 300 * MiB
+            assert row["pid"] == runner.pid
+        assert await request(h, "a") == "ok"
+        (row,) = h.sched.ps()
+        assert row["busy"] == 0 and row["expires_at"] is not None and row["last_used"]
+        assert h.machine.starts == ["a"]
+        assert h.sched.counters["loads"] == 1
+
+    run(scenario())
+
+
+def test_unknown_model_is_404() -> None:
+    async def scenario() -> None:
+        h = harness(A)
+        with pytest.raises(ModelNotFound) as err:
+            async with h.sched.use("nope"):
+                pass
+        assert err.value.status == 404
+
+    run(scenario())
+
+
+def test_runner_start_options_carry_the_settings() -> None:
+    async def scenario() -> None:
+        h = harness(LLM, ctx=2048, kv_type="q8_0", slots=2, threads=3, kv_ram_max=64 * MiB)
+        await request(h, "llm")
+        opts = h.runner("llm").options
+        assert opts is not None
+        assert opts["n_ctx"] == 2048 and opts["kv_type"] == "q8_0" and opts["slots"] == 2
+        assert opts["threads"] == 3 and opts["kv_ram_max"] == 64 * MiB
+        assert opts["kv_cache_dir"] == "/nonexistent/elbowroom-test/kv"
+        assert {"mlock", "max_tokens_cap", "kv_cache", "kv_disk_max", "kv_block_tokens"} <= set(
+            opts
+        )
+
+    run(scenario())
+
+
+def test_llm_context_is_sized_from_the_budget() -> None:
+    async def scenario() -> None:
+        # 800 MiB limit, 300 MiB held by a busy model: 500 MiB budget; 100 MiB weights
+        # leave 400 MiB of f16 KV at 64 KiB/token = 6400 tokens (a multiple of 256).
+        h = harness(A, LLM)
+        task, gate = await hold_request(h, "a")
+        await request(h, "llm")
+        assert h.runner("llm").options["n_ctx"] == 6400  # type: ignore[index]
+        gate.set()
+        await task
+
+    run(scenario())
+
+
+def test_measured_footprint_is_recorded_and_predicts_the_next_load() -> None:
+    async def scenario() -> None:
+        h = harness(A, actual={"a": 200})  # the estimate says 300 MiB, it really takes 200
+        await request(h, "a")
+        assert h.measured.records[("a", 0, 1, "f16")].anonymous == 200 * MiB
+        await h.sched.unload("a")
+        await request(h, "a")
+        (row,) = h.sched.ps()
+        assert row["predicted"] == 200 * MiB
+
+    run(scenario())
+
+
+# --- eviction
+
+
+def test_evicts_the_least_recently_used_idle_model() -> None:
+    async def scenario() -> None:
+        h = harness(A, B, C)
+        await request(h, "a")
+        h.clock.now += 10
+        await request(h, "b")
+        h.clock.now += 10
+        await request(h, "a")  # a is now the most recently used
+        h.clock.now += 10
+        await request(h, "c")  # 900 > 800: one must go, and it is b
+        assert h.loaded() == ["a", "c"]
+        assert h.runner("b").stops == 1
+        assert h.sched.counters["evictions_load"] == 1
+
+    run(scenario())
+
+
+def test_evicts_by_bytes_across_models_until_it_fits() -> None:
+    async def scenario() -> None:
+        h = harness(
+            spec("s1", size_mib=250), spec("s2", size_mib=250), spec("s3", size_mib=200), BIG
+        )
+        for model_id in ("s1", "s2", "s3"):  # 700 MiB, s1 least recently used
+            await request(h, model_id)
+            h.clock.now += 1
+        await request(h, "big")  # 550 needs 450 freed: s1 + s2, not s3
+        assert h.loaded() == ["big", "s3"]
+
+    run(scenario())
+
+
+def test_a_busy_model_is_not_evicted_the_load_waits_for_it() -> None:
+    async def scenario() -> None:
+        h = harness(A, BIG)
+        task, gate = await hold_request(h, "a")
+        load = asyncio.create_task(request(h, "big"))  # 300 + 550 > 800
+        await until(lambda: h.clock.now > 1001)  # the load is polling, a still runs
+        assert h.loaded() == ["a"] and h.runner("a").stops == 0
+        gate.set()
+        assert await task == "ok"
+        assert await load == "ok"
+        assert h.loaded() == ["big"]
+
+    run(scenario())
+
+
+def test_waiting_for_busy_models_ends_in_507_at_load_timeout() -> None:
+    async def scenario() -> None:
+        h = harness(A, BIG, load_timeout=2.0)
+        task, gate = await hold_request(h, "a")
+        with pytest.raises(InsufficientMemory) as err:
+            await request(h, "big")
+        actions = [s["action"] for s in err.value.details["suggestions"]]
+        assert actions == ["stop_busy"]
+        gate.set()
+        await task
+
+    run(scenario())
+
+
+def test_pinned_model_is_not_evicted_and_the_refusal_names_it() -> None:
+    async def scenario() -> None:
+        h = harness(A, BIG)
+        row = await h.sched.load("a", pin=True)
+        assert row["pinned"] is True and row["expires_at"] is None
+        with pytest.raises(InsufficientMemory) as err:
+            await request(h, "big")
+        (suggestion,) = err.value.details["suggestions"]
+        assert suggestion["action"] == "unload_pinned" and suggestion["value"] == "a"
+        assert h.loaded() == ["a"]
+        await h.sched.load("a", pin=False)
+        await request(h, "big")
+        assert h.loaded() == ["big"]
+
+    run(scenario())
+
+
+# --- refusal
+
+
+def test_507_body_has_the_numbers() -> None:
+    async def scenario() -> None:
+        h = harness(A, HUGE)
+        await request(h, "a")
+        with pytest.raises(InsufficientMemory) as err:
+            await request(h, "huge")
+        assert err.value.status == 507
+        body = err.value.to_openai()["error"]
+        assert body["type"] == "insufficient_memory" and body["code"] == "insufficient_memory"
+        assert body["model"] == "huge"
+        assert body["needed"] == 900 * MiB
+        assert body["limit"] == 800 * MiB
+        assert body["committed"] == 300 * MiB
+        assert body["available"] == 500 * MiB
+        assert body["evictable"] == 300 * MiB
+        assert body["shortfall"] == 100 * MiB
+        assert body["loaded"][0]["id"] == "a"
+        assert body["suggestions"][0]["action"] == "free_memory"
+        assert "huge" in body["message"]
+        assert h.loaded() == ["a"]  # nothing was evicted for a load that cannot happen
+        assert h.sched.counters["refusals_507"] == 1
+
+    run(scenario())
+
+
+def test_llm_refusal_suggests_ctx_and_q8_kv() -> None:
+    async def scenario() -> None:
+        # ctx 8192 f16: 100 MiB + 512 MiB KV = 612 MiB; a pinned 300 MiB model leaves 500.
+        h = harness(A, LLM, ctx=8192, pin=("a",))
+        await request(h, "a")
+        with pytest.raises(InsufficientMemory) as err:
+            await request(h, "llm")
+        by_action = {s["action"]: s["value"] for s in err.value.details["suggestions"]}
+        assert by_action["ctx"] == 6400  # (500 - 100) MiB / 64 KiB
+        assert by_action["kv_type"] == "q8_0"  # 100 + 8192 * 34 KiB = 372 MiB
+        assert by_action["unload_pinned"] == "a"
+
+    run(scenario())
+
+
+def test_auto_context_below_min_ctx_is_refused() -> None:
+    async def scenario() -> None:
+        h = harness(spec("fat", ModelKind.LLM, size_mib=780), min_ctx=512)
+        with pytest.raises(InsufficientMemory) as err:
+            await request(h, "fat")
+        assert err.value.details["needed"] == 780 * MiB + 512 * 64 * 1024
+
+    run(scenario())
+
+
+def test_a_failed_load_is_reported_and_leaves_nothing_behind() -> None:
+    async def scenario() -> None:
+        h = harness(A)
+        h.machine.fail_starts["a"] = EngineError("bad weights")
+        with pytest.raises(EngineError):
+            await request(h, "a")
+        assert h.sched.ps() == [] and h.sched.counters["load_failures"] == 1
+        assert h.sched.memory_report()["reservations"] == []
+
+    run(scenario())
+
+
+# --- memory after unload
+
+
+def test_waits_for_evicted_memory_to_show_up_before_loading() -> None:
+    async def scenario() -> None:
+        h = harness(A, BIG)
+        await request(h, "a")
+        h.machine.lag = 5  # the next readings still show a's 300 MiB as used
+        await request(h, "big")
+        assert h.machine.starts == ["a", "big"]
+        assert h.machine.pending_at_start[-1] == 0  # big started once a's memory was back
+
+    run(scenario())
+
+
+def test_memory_that_never_shows_up_ends_the_wait_at_the_deadline() -> None:
+    async def scenario() -> None:
+        h = harness(BIG, spec("b6", size_mib=600), unload_settle_timeout=2.0)
+        await request(h, "big")
+        h.machine.lag = 10**9
+        before = h.clock.now
+        with pytest.raises(InsufficientMemory) as err:
+            await request(h, "b6")  # the limit shrank to the 450 MiB really available
+        assert h.clock.now - before >= 2.0
+        assert err.value.details["limit"] == 450 * MiB
+
+    run(scenario())
+
+
+# --- one load at a time, queues, concurrency
+
+
+def test_one_load_at_a_time() -> None:
+    async def scenario() -> None:
+        h = harness(A, B)
+        h.machine.start_gate = asyncio.Event()
+        first = asyncio.create_task(request(h, "a"))
+        second = asyncio.create_task(request(h, "b"))
+        await until(lambda: h.machine.loading == 1)
+        report = h.sched.memory_report()
+        assert [r["bytes"] for r in report["reservations"]] == [300 * MiB]
+        h.machine.start_gate.set()
+        assert await first == "ok" and await second == "ok"
+        assert h.machine.max_loading == 1
+        assert h.loaded() == ["a", "b"]
+
+    run(scenario())
+
+
+def test_queue_full_is_503_with_retry_after() -> None:
+    async def scenario() -> None:
+        h = harness(A, queue_size=1)
+        running, gate = await hold_request(h, "a")
+        waiting = asyncio.create_task(request(h, "a"))
+        await until(lambda: h.sched.ps()[0]["waiting"] == 1)
+        with pytest.raises(QueueFull) as err:
+            await request(h, "a")
+        assert err.value.status == 503 and err.value.retry_after >= 1
+        assert "Retry-After" in err.value.headers()
+        assert h.sched.counters["refusals_503"] == 1
+        gate.set()
+        assert await running == "ok" and await waiting == "ok"
+
+    run(scenario())
+
+
+def test_concurrency_limits_requests_in_flight() -> None:
+    async def scenario() -> None:
+        h = harness(A, concurrency=2)
+        await request(h, "a")
+        gate = h.machine.holds["a"] = asyncio.Event()
+        tasks = [asyncio.create_task(request(h, "a")) for _ in range(3)]
+        await until(lambda: h.sched.ps()[0]["waiting"] == 1)
+        assert h.runner("a").in_request == 2 and h.sched.ps()[0]["busy"] == 2
+        gate.set()
+        assert await asyncio.gather(*tasks) == ["ok"] * 3
+
+    run(scenario())
+
+
+def test_a_client_that_gives_up_frees_its_queue_place_and_not_the_load() -> None:
+    async def scenario() -> None:
+        h = harness(A)
+        h.machine.start_gate = asyncio.Event()
+        first = asyncio.create_task(request(h, "a"))
+        await until(lambda: h.machine.loading == 1)
+        first.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
+        second = asyncio.create_task(request(h, "a"))
+        h.machine.start_gate.set()
+        assert await second == "ok"
+        assert h.machine.starts == ["a"]  # the load went on and served the second client
+
+    run(scenario())
+
+
+# --- keep-alive
+
+
+def test_keep_alive_expiry_with_the_clock() -> None:
+    async def scenario() -> None:
+        h = harness(A, LLM, keep_alive=60, resident_idle=30, ctx=512)
+        await request(h, "a")
+        await request(h, "llm")
+        h.clock.now += 29
+        assert await h.sched.tick() == []
+        h.clock.now += 2  # resident engine: resident_idle
+        assert await h.sched.tick() == ["a"]
+        h.clock.now += 30  # mmap engine: keep_alive
+        assert await h.sched.tick() == ["llm"]
+        assert h.sched.ps() == []
+        assert h.sched.counters["evictions_keep_alive"] == 2
+
+    run(scenario())
+
+
+def test_keep_alive_override_zero_unloads_right_after() -> None:
+    async def scenario() -> None:
+        h = harness(A)
+        await request(h, "a", keep_alive=0)
+        await until(lambda: h.sched.ps() == [])
+        assert h.runner("a").stops == 1
+
+    run(scenario())
+
+
+def test_negative_keep_alive_never_expires() -> None:
+    async def scenario() -> None:
+        h = harness(A)
+        await request(h, "a", keep_alive=-1)
+        assert h.sched.ps()[0]["expires_at"] is None
+        h.clock.now += 10**7
+        assert await h.sched.tick() == []
+        assert h.loaded() == ["a"]
+
+    run(scenario())
+
+
+def test_busy_models_do_not_expire() -> None:
+    async def scenario() -> None:
+        h = harness(A, resident_idle=5)
+        await request(h, "a")
+        task, gate = await hold_request(h, "a")
+        h.clock.now += 100
+        assert await h.sched.tick() == []
+        gate.set()
+        await task
+
+    run(scenario())
+
+
+def test_start_preloads_and_close_stops_every_runner() -> None:
+    async def scenario() -> None:
+        h = harness(A, B, preload=("a", "b", "missing"))
+        await h.sched.start()  # a preload that fails is logged, not raised
+        assert h.loaded() == ["a", "b"]
+        await h.sched.close()
+        assert h.sched.ps() == []
+        assert [r.stops for r in h.runners] == [1, 1]
+
+    run(scenario())
+
+
+# --- crashes
+
+
+def test_crash_fails_requests_in_flight_and_the_next_use_restarts() -> None:
+    async def scenario() -> None:
+        h = harness(A)
+        task, gate = await hold_request(h, "a")
+        h.runner("a").crash("exit code 1")
+        with pytest.raises(RunnerCrashed):
+            await task
+        gate.set()
+        assert h.sched.ps() == [] and h.sched.counters["crashes"] == 1
+        assert await request(h, "a") == "ok"  # first crash: restart at once
+        assert len(h.runners) == 2
+        assert h.sched.ps()[0]["restarts"] == 1
+
+    run(scenario())
+
+
+def test_repeated_crashes_back_off_doubling() -> None:
+    async def scenario() -> None:
+        h = harness(A, crash_backoff_initial=10, crash_backoff_max=15)
+        await request(h, "a")
+        h.runner("a").crash()
+        await h.sched.load("a")  # first crash: no backoff
+        h.runner("a").crash()  # second in a row: 10 s
+        with pytest.raises(RunnerBackoff) as err:
+            await request(h, "a")
+        assert err.value.retry_after == pytest.approx(10)
+        assert "SIGKILL" in err.value.message
+        h.clock.now += 10
+        await h.sched.load("a")
+        h.runner("a").crash()  # third: 20 s, capped at 15
+        with pytest.raises(RunnerBackoff) as err:
+            await request(h, "a")
+        assert err.value.retry_after == pytest.approx(15)
+        h.clock.now += 15
+        assert await request(h, "a") == "ok"  # a served request resets the streak
+        h.runner("a").crash()
+        assert await request(h, "a") == "ok"
+
+    run(scenario())
+
+
+def test_failed_loads_count_toward_backoff() -> None:
+    async def scenario() -> None:
+        h = harness(A, crash_backoff_initial=10)
+        h.machine.fail_starts["a"] = RunnerCrashed("exit code 3")
+        for _ in range(2):
+            with pytest.raises(RunnerCrashed):
+                await request(h, "a")
+        with pytest.raises(RunnerBackoff) as err:
+            await request(h, "a")
+        assert "exit code 3" in err.value.message
+
+    run(scenario())
+
+
+# --- admin: unload, pressure, report
+
+
+def test_unload_now_or_when_idle() -> None:
+    async def scenario() -> None:
+        h = harness(A)
+        assert (await h.sched.unload("a"))["status"] == "not_loaded"
+        task, gate = await hold_request(h, "a")
+        assert (await h.sched.unload("a"))["status"] == "unloading_when_idle"
+        gate.set()
+        await task
+        await until(lambda: h.sched.ps() == [])
+        await request(h, "a")
+        result = await h.sched.unload("a")
+        assert result == {"id": "a", "status": "unloaded", "freed": 300 * MiB}
+
+    run(scenario())
+
+
+def test_relieve_pressure_unloads_idle_models_lru_first() -> None:
+    async def scenario() -> None:
+        h = harness(spec("s1", size_mib=200), spec("s2", size_mib=200), A)
+        for model_id in ("s1", "s2", "a"):  # 700 MiB; soft threshold 0.85 * 800 = 680
+            await request(h, model_id)
+            h.clock.now += 1
+        assert await h.sched.relieve_pressure(Pressure.NORMAL) == []
+        assert await h.sched.relieve_pressure(Pressure.SOFT) == ["s1"]
+        assert h.loaded() == ["a", "s2"]
+        assert h.sched.counters["evictions_pressure"] == 1
+
+    run(scenario())
+
+
+def test_paused_loads_wait_then_fail_with_503() -> None:
+    async def scenario() -> None:
+        h = harness(A, B, load_timeout=1.0)
+        await request(h, "a")
+        h.sched.set_loads_paused(True)
+        assert await request(h, "a") == "ok"  # loaded models still serve
+        with pytest.raises(MemoryPressure):
+            await request(h, "b")
+        h.sched.set_loads_paused(False)
+        assert await request(h, "b") == "ok"
+
+    run(scenario())
+
+
+def test_memory_report_shape() -> None:
+    async def scenario() -> None:
+        h = harness(A)
+        await request(h, "a")
+        report = h.sched.memory_report()
+        assert report["limit"]["value"] == 800 * MiB
+        assert report["limit"]["winner"] == "fraction"
+        assert report["thresholds"]["soft"] == int(800 * MiB * 0.85)
+        assert report["committed"] == 300 * MiB and report["available"] == 500 * MiB
+        assert report["pressure"] == "normal"
+        assert report["snapshot"]["total"] == 1000 * MiB
+
+    run(scenario())
