@@ -19,29 +19,6 @@ class ModelCatalog(Protocol):
         ...
 
 
-class Estimator(Protocol):
-    """The pure footprint functions of ``elbowroom.models.estimate``."""
-
-    def footprint(
-        self,
-        spec: ModelSpec,
-        n_ctx: int,
-        slots: int = 1,
-        kv_type: str = "f16",
-        measured: ProcessMemory | None = None,
-    ) -> Footprint: ...
-
-    def auto_context(
-        self,
-        spec: ModelSpec,
-        budget_bytes: int,
-        settings_max_ctx: int,
-        min_ctx: int,
-        slots: int,
-        kv_type: str,
-    ) -> int: ...
-
-
 class Measurements(Protocol):
     """Measured footprints remembered per model file and settings."""
 
@@ -52,6 +29,31 @@ class Measurements(Protocol):
     def lookup(
         self, spec: ModelSpec, n_ctx: int, slots: int, kv_type: str
     ) -> ProcessMemory | None: ...
+
+
+class Estimator(Protocol):
+    """The pure footprint functions of ``elbowroom.models.estimate``; ``measured`` is the
+    store of remembered measurements (a measurement for the same file wins)."""
+
+    def footprint(
+        self,
+        spec: ModelSpec,
+        n_ctx: int,
+        slots: int = 1,
+        kv_type: str = "f16",
+        measured: Measurements | None = None,
+    ) -> Footprint: ...
+
+    def auto_context(
+        self,
+        spec: ModelSpec,
+        budget_bytes: int,
+        settings_max_ctx: int,
+        min_ctx: int,
+        slots: int = 1,
+        kv_type: str = "f16",
+        measured: Measurements | None = None,
+    ) -> int: ...
 
 
 def default_estimator() -> Estimator:

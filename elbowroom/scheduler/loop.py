@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import math
 import threading
@@ -36,7 +37,7 @@ from elbowroom.models.spec import Holding, ModelSpec
 from elbowroom.runtime.protocol import Runner, RunnerFactory
 from elbowroom.scheduler import policy
 from elbowroom.scheduler.inputs import Estimator, Measurements, ModelCatalog, default_estimator
-from elbowroom.scheduler.records import Lane, Loaded, Phase
+from elbowroom.scheduler.records import InFlightRequest, Lane, Loaded, Phase
 from elbowroom.scheduler.report import describe, plain
 from elbowroom.scheduler.sizing import Plan, plan_load, start_options
 from elbowroom.units import format_size
@@ -88,7 +89,10 @@ class Scheduler:
         self._ticker: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
-        self.loads_paused = False  # set by the pressure guard (set_loads_paused)
+        self.loads_paused = False  # set by the pressure guard (pause_loads)
+        self._inflight: dict[str, InFlightRequest] = {}
+        self._request_ids = itertools.count(1)
+        self._last_limit = 0  # the limit's value at the last observation, for state()
         # Read by the metrics module; plain ints so reading needs no lock.
         self.counters: dict[str, int] = {
             "loads": 0,
@@ -165,6 +169,10 @@ class Scheduler:
             claimed = False
             rec.busy += 1
             started = self._clock()
+            ticket = InFlightRequest(
+                f"{spec.id}#{next(self._request_ids)}", spec.id, spec.kind, started
+            )
+            self._inflight[ticket.request_id] = ticket
             crashed = True  # until the body returns or raises something else
             try:
                 yield rec.runner
@@ -176,6 +184,7 @@ class Scheduler:
                 raise
             finally:
                 rec.busy -= 1
+                del self._inflight[ticket.request_id]
                 self._finish(rec, lane, keep_alive, started, crashed)
         finally:
             if claimed:
@@ -530,11 +539,21 @@ class Scheduler:
             "loads_paused": self.loads_paused,
         }
 
-    def models(self) -> tuple[policy.ModelState, ...]:
-        """The loaded models as the policy sees them (for the pressure guard)."""
-        return self._state(0).models
+    def state(self) -> policy.State:
+        """Loaded, loading and stopping models as the policy sees them (for the pressure
+        guard); ``limit`` is the value at the scheduler's last memory observation."""
+        return self._state(self._last_limit)
 
-    def set_loads_paused(self, paused: bool) -> None:
+    def runner(self, model_id: str) -> Runner | None:
+        """The runner of a ready model, else None."""
+        rec = self._loaded.get(model_id)
+        return rec.runner if rec is not None and rec.phase is Phase.READY else None
+
+    def inflight(self) -> list[InFlightRequest]:
+        """Requests running now, oldest first."""
+        return sorted(self._inflight.values(), key=lambda r: r.started_at)
+
+    def pause_loads(self, paused: bool) -> None:
         """The pressure guard pauses new loads under soft pressure; a load waits for the
         resume up to ``settings.load_timeout``, then fails with 503 MemoryPressure."""
         if paused != self.loads_paused:
@@ -545,7 +564,9 @@ class Scheduler:
 
     def _observe(self) -> tuple[Snapshot, budget.Limit]:
         snap = self._probe()
-        return snap, budget.memory_limit(snap, self._own_usage(), self._budget)
+        limit = budget.memory_limit(snap, self._own_usage(), self._budget)
+        self._last_limit = limit.value
+        return snap, limit
 
     def _state(self, limit: int) -> policy.State:
         models = []

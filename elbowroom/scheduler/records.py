@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass, field
 
 from elbowroom.memory.types import ProcessMemory
-from elbowroom.models.spec import ModelSpec
+from elbowroom.models.spec import ModelKind, ModelSpec
 from elbowroom.runtime.protocol import ReadyInfo, Runner
 
 
@@ -30,6 +30,16 @@ def backoff_delay(streak: int, initial: float, maximum: float) -> float:
     if streak < 2:
         return 0.0
     return float(min(maximum, initial * 2 ** (streak - 2)))
+
+
+@dataclass(frozen=True, slots=True)
+class InFlightRequest:
+    """One request running on a runner (for the pressure guard's abort choice)."""
+
+    request_id: str
+    model: str
+    kind: ModelKind
+    started_at: float  # clock seconds
 
 
 @dataclass(slots=True)

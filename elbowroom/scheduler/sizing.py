@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elbowroom.config import Settings
-from elbowroom.models.spec import Footprint, ModelKind, ModelSpec
+from elbowroom.models.spec import Footprint, ModelSpec
 from elbowroom.scheduler.inputs import Estimator, Measurements
 from elbowroom.scheduler.policy import ContextCost, LoadRequest, State
 
@@ -25,7 +25,8 @@ class Plan:
 
 
 def has_context(spec: ModelSpec) -> bool:
-    return spec.kind is ModelKind.LLM
+    """GGUF models (llama.cpp) have a context to size; the estimate knows them by that."""
+    return spec.gguf is not None
 
 
 def unevictable_bytes(state: State, model_id: str) -> int:
@@ -48,7 +49,7 @@ def plan_load(
     then waits for busy models or refuses with the numbers."""
     kv_type, slots = settings.kv_type, settings.slots
     if not has_context(spec):
-        fp = _footprint(estimate, spec, 0, 1, kv_type, measured)
+        fp = estimate.footprint(spec, 0, 1, kv_type, measured)
         return Plan(LoadRequest(spec.id, fp.total), fp, 0, kv_type, 1)
 
     if settings.ctx is not None:
@@ -56,14 +57,14 @@ def plan_load(
     else:
         budget = state.limit - unevictable_bytes(state, spec.id)
         n_ctx = estimate.auto_context(
-            spec, max(0, budget), settings.max_ctx, settings.min_ctx, slots, kv_type
+            spec, max(0, budget), settings.max_ctx, settings.min_ctx, slots, kv_type, measured
         )
         if n_ctx <= 0:
             n_ctx = settings.min_ctx
-    fp = _footprint(estimate, spec, n_ctx, slots, kv_type, measured)
+    fp = estimate.footprint(spec, n_ctx, slots, kv_type, measured)
     per_token_q8: float | None = None
     if kv_type == "f16":
-        q8 = estimate.footprint(spec, n_ctx, slots=slots, kv_type="q8_0")
+        q8 = estimate.footprint(spec, n_ctx, slots, "q8_0")
         per_token_q8 = q8.kv_bytes / n_ctx
     cost = ContextCost(
         n_ctx=n_ctx,
@@ -74,18 +75,6 @@ def plan_load(
         per_token_q8=per_token_q8,
     )
     return Plan(LoadRequest(spec.id, fp.total, cost), fp, n_ctx, kv_type, slots)
-
-
-def _footprint(
-    estimate: Estimator,
-    spec: ModelSpec,
-    n_ctx: int,
-    slots: int,
-    kv_type: str,
-    store: Measurements | None,
-) -> Footprint:
-    known = store.lookup(spec, n_ctx, slots, kv_type) if store is not None else None
-    return estimate.footprint(spec, n_ctx, slots=slots, kv_type=kv_type, measured=known)
 
 
 def start_options(settings: Settings, plan: Plan) -> dict[str, Any]:

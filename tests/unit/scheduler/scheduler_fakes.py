@@ -20,11 +20,16 @@ from typing import Any, cast
 from elbowroom.config import Settings
 from elbowroom.errors import ModelNotFound, RunnerCrashed
 from elbowroom.memory.types import ZERO_PROCESS_MEMORY, ProcessMemory, Snapshot
-from elbowroom.models.spec import Footprint, Holding, ModelKind, ModelSpec
+from elbowroom.models.spec import Footprint, GGUFInfo, Holding, ModelKind, ModelSpec
 from elbowroom.runtime.protocol import ExitCallback, ReadyInfo, RunnerState
+from elbowroom.scheduler.inputs import Measurements
 from elbowroom.scheduler.loop import Scheduler
 from elbowroom.units import KiB, MiB
 
+GGUF = GGUFInfo(
+    architecture="llama", name="fake", n_layers=30, n_heads=9, n_kv_heads=3, head_dim_k=64,
+    head_dim_v=64, n_embd=576, trained_ctx=8192, file_type="Q4_1", has_chat_template=True,
+)  # fmt: skip
 Stream = AsyncGenerator[dict[str, Any], None]
 KV_PER_TOKEN = {"f16": 64 * KiB, "q8_0": 34 * KiB, "q4_0": 18 * KiB}
 
@@ -204,6 +209,7 @@ def spec(
         size_bytes=size_mib * MiB,
         holding=Holding.MMAP if llm else Holding.RESIDENT,
         source="path",
+        gguf=GGUF if llm else None,
     )
 
 
@@ -220,9 +226,7 @@ class FakeCatalog:
 
 class FakeEstimator:
     """Resident models hold their size; an LLM holds its size (file-backed) + 64 KiB of f16
-    KV per token and slot. A measurement, when given, is the prediction."""
-
-    trained_ctx = 8192
+    KV per token and slot. A remembered measurement, when there is one, is the prediction."""
 
     def footprint(
         self,
@@ -230,16 +234,17 @@ class FakeEstimator:
         n_ctx: int,
         slots: int = 1,
         kv_type: str = "f16",
-        measured: ProcessMemory | None = None,
+        measured: Measurements | None = None,
     ) -> Footprint:
-        per_token = KV_PER_TOKEN[kv_type] * slots if spec.kind is ModelKind.LLM else 0
+        per_token = KV_PER_TOKEN[kv_type] * slots if spec.gguf is not None else 0
         kv = per_token * n_ctx
-        if measured is not None:
+        seen = measured.lookup(spec, n_ctx, slots, kv_type) if measured is not None else None
+        if seen is not None:
             return Footprint(
-                spec.size_bytes, measured.file_backed, measured.anonymous,
+                spec.size_bytes, seen.file_backed, seen.anonymous,
                 per_token, kv, 0, n_ctx, slots, kv_type, measured=True,
             )  # fmt: skip
-        if spec.kind is ModelKind.LLM:
+        if spec.gguf is not None:
             return Footprint(
                 spec.size_bytes, spec.size_bytes, kv, per_token, kv, 0, n_ctx, slots, kv_type
             )
@@ -251,12 +256,14 @@ class FakeEstimator:
         budget_bytes: int,
         settings_max_ctx: int,
         min_ctx: int,
-        slots: int,
-        kv_type: str,
+        slots: int = 1,
+        kv_type: str = "f16",
+        measured: Measurements | None = None,
     ) -> int:
+        assert spec.gguf is not None
         per_token = KV_PER_TOKEN[kv_type] * slots
         fit = math.floor((budget_bytes - spec.size_bytes) / per_token / 256) * 256
-        ctx = min(fit, settings_max_ctx, self.trained_ctx)
+        ctx = min(fit, settings_max_ctx, spec.gguf.trained_ctx)
         return ctx if ctx >= min_ctx else 0
 
 

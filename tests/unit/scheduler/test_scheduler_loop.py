@@ -516,12 +516,31 @@ def test_paused_loads_wait_then_fail_with_503() -> None:
     async def scenario() -> None:
         h = harness(A, B, load_timeout=1.0)
         await request(h, "a")
-        h.sched.set_loads_paused(True)
+        h.sched.pause_loads(True)
         assert await request(h, "a") == "ok"  # loaded models still serve
         with pytest.raises(MemoryPressure):
             await request(h, "b")
-        h.sched.set_loads_paused(False)
+        h.sched.pause_loads(False)
         assert await request(h, "b") == "ok"
+
+    run(scenario())
+
+
+def test_guard_view_state_runner_and_inflight() -> None:
+    async def scenario() -> None:
+        h = harness(A, B)
+        await request(h, "b")
+        task, gate = await hold_request(h, "a")
+        models = {m.id: m for m in h.sched.state().models}
+        assert models["a"].busy == 1 and models["b"].busy == 0
+        assert models["a"].bytes == 300 * MiB and not models["a"].loading
+        assert h.sched.state().limit == 800 * MiB
+        assert h.sched.runner("a") is h.runner("a") and h.sched.runner("c") is None
+        (ticket,) = h.sched.inflight()
+        assert ticket.model == "a" and ticket.kind is ModelKind.EMBEDDING
+        gate.set()
+        await task
+        assert h.sched.inflight() == []
 
     run(scenario())
 
