@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -15,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from elbowroom.memory.probe import linux_probe
+from elbowroom.memory.probe import gpu_memory, linux_probe
+from elbowroom.memory.process import measure_pid
 from elbowroom.units import MiB
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux probe")
@@ -152,3 +154,54 @@ def test_child_in_a_512mib_cgroup_sees_512mib(version: int, nested: bool) -> Non
     assert 0 < snap["available"] < LIMIT  # the child's own interpreter is charged
     assert 0 < snap["cgroup_usage"] < LIMIT
     assert snap["host_total"] > LIMIT
+
+
+# ---------------------------------------------------------------- NVIDIA GPUs (NVML)
+
+# A CUDA context and a 256 MiB allocation through the driver API: no CUDA toolkit needed.
+CUDA_CHILD = """
+import ctypes, sys
+cuda = ctypes.CDLL("libcuda.so.1")
+dev, ctx, ptr = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64()
+assert cuda.cuInit(0) == 0
+assert cuda.cuDeviceGet(ctypes.byref(dev), 0) == 0
+assert cuda.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev) == 0
+assert cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(256 << 20)) == 0
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def _nvidia_smi() -> str:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        pytest.skip("no NVIDIA driver")
+    return smi
+
+
+def test_gpu_memory_agrees_with_nvidia_smi() -> None:
+    out = subprocess.run(
+        [_nvidia_smi(), "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    expected = [tuple(int(x) for x in line.split(",")) for line in out.strip().splitlines()]
+    gpus = gpu_memory()
+    assert [(g.index, g.total // MiB) for g in gpus] == expected
+    assert all(g.used + g.free <= g.total and g.name for g in gpus)
+
+
+def test_gpu_bytes_of_a_cuda_child_are_measured() -> None:
+    _nvidia_smi()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CUDA_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        mem = measure_pid(proc.pid)
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait(timeout=60)
+    assert mem.gpu >= 256 * MiB
