@@ -1,0 +1,182 @@
+"""The runner process's main: owns one engine and serves requests from the pipe.
+
+Two threads. The reader thread receives every message at once, so a cancel, a pressure
+level or a stats question is seen while a request is running; the main thread runs one
+request at a time (``Engine.run``), which is what an engine library expects.
+Wire messages are described in runtime/protocol.py.
+
+The engine sees the current pressure level through ``options["pressure"]``: a callable
+returning 0 (normal), 1 (soft) or 2 (hard), updated by the parent's ``pressure`` op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+from elbowroom.engines.base import Engine, create_engine
+from elbowroom.errors import ElbowroomError, EngineError
+from elbowroom.models.spec import ModelSpec
+
+log = logging.getLogger("elbowroom.runner")
+
+ORPHAN_GRACE = 10.0  # seconds a runner whose parent vanished waits for its request to end
+_STOP = object()
+
+
+def worker_main(conn: Connection, spec: ModelSpec, options: dict[str, Any]) -> None:
+    """Entry point of the runner process (multiprocessing spawn target)."""
+    # Ctrl-C in a terminal reaches the whole process group: the server decides how runners
+    # stop, so the runner must not die on it on its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=str(options.get("log_level", "info")).upper(),
+        format=f"%(asctime)s runner[{spec.id}:{os.getpid()}] %(levelname)s %(message)s",
+    )
+    try:
+        engine = create_engine(spec.engine)
+    except Exception as exc:
+        _send_quietly(conn, {"event": "load_failed", "error": _wire(exc)})
+        sys.exit(1)
+    sys.exit(serve(conn, spec, options, engine))
+
+
+def serve(conn: Connection, spec: ModelSpec, options: dict[str, Any], engine: Engine) -> int:
+    """Load ``engine`` and serve until stop or the parent goes away; return the exit code."""
+    return _Worker(conn, engine).serve(spec, options)
+
+
+class _Worker:
+    def __init__(self, conn: Connection, engine: Engine) -> None:
+        self.conn = conn
+        self.engine = engine
+        self.work: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.cancel_flags: dict[int, threading.Event] = {}
+        self.flags_lock = threading.Lock()
+        self.send_lock = threading.Lock()
+        self.level = 0
+        self.loaded = threading.Event()
+
+    def pressure(self) -> int:
+        return self.level
+
+    def serve(self, spec: ModelSpec, options: dict[str, Any]) -> int:
+        reader = threading.Thread(target=self._read, name="runner-reader", daemon=True)
+        reader.start()
+        try:
+            facts = self.engine.load(spec, {**options, "pressure": self.pressure})
+        except Exception as exc:
+            if not isinstance(exc, ElbowroomError):
+                log.exception("load failed")
+            self._send({"event": "load_failed", "error": _wire(exc)})
+            return 1
+        self.loaded.set()
+        self._send({"event": "ready", "data": facts})
+        log.info("ready: %s", facts)
+        try:
+            self._loop()
+        finally:
+            self.engine.close()
+        return 0
+
+    def _loop(self) -> None:
+        while True:
+            item = self.work.get()
+            if item is _STOP:
+                return
+            rid, kind, payload = item
+            with self.flags_lock:
+                flag = self.cancel_flags.get(rid)
+            if flag is None or flag.is_set():  # cancelled before it started: nobody waits
+                self._drop_flag(rid)
+                continue
+            try:
+                emit = functools.partial(self._event, rid, "delta")
+                result = self.engine.run(kind, payload, emit, flag.is_set)
+                self._event(rid, "done", result)
+            except Exception as exc:
+                if not isinstance(exc, ElbowroomError):
+                    log.exception("request %s failed", rid)
+                self._send({"id": rid, "event": "error", "error": _wire(exc)})
+            finally:
+                self._drop_flag(rid)
+
+    def _read(self) -> None:
+        """Reader thread: route every message; on EOF (parent gone) wind down."""
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                log.warning("parent went away; exiting")
+                self._shutdown()
+                # A request that ignores cancellation must not keep an orphan alive.
+                timer = threading.Timer(ORPHAN_GRACE, os._exit, args=(1,))
+                timer.daemon = True
+                timer.start()
+                return
+            op = msg.get("op")
+            if op == "run":
+                with self.flags_lock:
+                    self.cancel_flags[msg["id"]] = threading.Event()
+                self.work.put((msg["id"], msg["kind"], msg["payload"]))
+            elif op == "cancel":
+                with self.flags_lock:
+                    flag = self.cancel_flags.get(msg["id"])
+                if flag is not None:
+                    flag.set()
+            elif op == "pressure":
+                self.level = int(msg["level"])
+            elif op == "stats":
+                self._send({"event": "stats", "data": self._stats()})
+            elif op == "stop":
+                self._shutdown()
+                return
+            else:
+                log.warning("unknown message %r", msg)
+
+    def _stats(self) -> dict[str, Any]:
+        if not self.loaded.is_set():
+            return {}
+        try:
+            return self.engine.stats()
+        except Exception:
+            log.exception("stats failed")
+            return {}
+
+    def _shutdown(self) -> None:
+        with self.flags_lock:
+            for flag in self.cancel_flags.values():
+                flag.set()
+        self.work.put(_STOP)
+
+    def _drop_flag(self, rid: int) -> None:
+        with self.flags_lock:
+            self.cancel_flags.pop(rid, None)
+
+    def _event(self, rid: int, event: str, data: dict[str, Any]) -> None:
+        self._send({"id": rid, "event": event, "data": data})
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        with self.send_lock:
+            _send_quietly(self.conn, msg)
+
+
+def _send_quietly(conn: Connection, msg: dict[str, Any]) -> None:
+    # A failure means the parent is gone; the reader thread sees EOF and winds down.
+    with contextlib.suppress(OSError, EOFError):
+        conn.send(msg)
+
+
+def _wire(exc: BaseException) -> dict[str, Any]:
+    if isinstance(exc, ElbowroomError):
+        return exc.to_wire()
+    return EngineError(f"{type(exc).__name__}: {exc}").to_wire()

