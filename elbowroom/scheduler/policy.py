@@ -227,7 +227,7 @@ def refuse(state: State, request: LoadRequest) -> Refuse:
             )
         if ctx.per_token_q8 is not None and ctx.fixed + ctx.per_token_q8 * ctx.n_ctx <= room:
             suggestions.append(
-                Suggestion("kv_type", "set --kv-type q8_0 (halves the KV cache)", "q8_0")
+                Suggestion("kv_type", "set --kv-type q8_0 (about halves the KV cache)", "q8_0")
             )
 
     pinned = sorted(
@@ -241,7 +241,7 @@ def refuse(state: State, request: LoadRequest) -> Refuse:
                 Suggestion(
                     "unload_pinned",
                     f"unload pinned model {m.id!r} ({format_size(m.bytes)}): "
-                    f"elbowroom unload {m.id}",
+                    f"POST /api/models/{m.id}/unload",
                     m.id,
                 )
             )

@@ -198,7 +198,7 @@ def test_refusal_suggests_unloading_pinned_models() -> None:
     assert isinstance(d, Refuse)
     pins = [s.value for s in d.suggestions if s.action == "unload_pinned"]
     assert pins == ["p1", "p2"]  # 100 free + 300 + 300 reaches 600: the minimal LRU prefix
-    assert "elbowroom unload p1" in d.message()
+    assert "POST /api/models/p1/unload" in d.message()
 
 
 def test_refusal_suggests_stopping_busy_pinned_models() -> None:
