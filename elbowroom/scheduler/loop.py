@@ -446,7 +446,7 @@ class Scheduler:
         log.warning(
             "runner of %s (pid %s) exited: %s; %d in flight fail; restart %s",
             rec.spec.id,
-            runner.pid,
+            rec.ready.pid if rec.ready is not None else "?",
             cause,
             rec.busy,
             "on next request"
