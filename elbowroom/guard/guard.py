@@ -317,6 +317,7 @@ class PressureGuard:
         return {
             "enabled": self.enabled,
             "level": (sample.level.label if sample is not None else None),
+            "sample_at": (sample.at if sample is not None else None),
             "admission_open": self.admission_open(),
             "loads_paused": self.loads_paused,
             "retry_after": self._retry_after,

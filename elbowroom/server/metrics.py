@@ -320,6 +320,17 @@ async def metrics(request: Request) -> Response:
     return Response(render(await gather(services)), media_type=CONTENT_TYPE_LATEST)
 
 
+@router.get("/api/guard")
+async def guard_state(request: Request, events: int = 100) -> dict[str, Any]:
+    """The pressure guard's state and its last ``events`` actions (oldest first)."""
+    services = getattr(request.app.state, "services", None)
+    guard = getattr(services, "guard", None)
+    if guard is None:
+        return {"enabled": False, "present": False, "events": []}
+    recent = guard.events()[-max(0, events) :] if events > 0 else []
+    return {**guard.state(), "present": True, "events": [e.to_dict() for e in recent]}
+
+
 # --- the request side -------------------------------------------------------------------
 
 

@@ -1,0 +1,67 @@
+"""The guard's view of the real scheduler (``guard.Target``), through its public hooks.
+
+The scheduler stays the single owner of its state: the adapter only reads its picture
+(``state()``, ``inflight()``) and asks it to act (``unload``, ``pause_loads``, a runner's
+``set_pressure``). It remembers the level each runner object was last told, so a runner
+that restarts (a new object) starts from normal and is told the current level again.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from elbowroom.guard.ladder import InFlight, LoadedModel
+from elbowroom.memory.types import Pressure
+from elbowroom.models.spec import ModelKind
+from elbowroom.runtime.protocol import Runner
+from elbowroom.scheduler.loop import Scheduler
+
+
+class SchedulerTarget:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+        self._levels: weakref.WeakKeyDictionary[Runner, Pressure] = weakref.WeakKeyDictionary()
+
+    def models(self) -> list[LoadedModel]:
+        out = []
+        for m in self._scheduler.state().models:
+            runner = self._scheduler.runner(m.id)
+            if m.loading or runner is None:
+                continue  # loading or stopping: neither unloadable nor told levels
+            out.append(
+                LoadedModel(
+                    id=m.id,
+                    bytes=m.bytes,
+                    last_used=m.last_used,
+                    busy=m.busy,
+                    pinned=m.pinned,
+                    llm=m.kind is ModelKind.LLM,
+                    runner_level=self._levels.get(runner, Pressure.NORMAL),
+                )
+            )
+        return out
+
+    def inflight(self) -> list[InFlight]:
+        sizes = {m.id: m.bytes for m in self._scheduler.state().models}
+        return [
+            InFlight(
+                request_id=r.request_id,
+                model=r.model,
+                started_at=r.started_at,
+                bytes=sizes.get(r.model, 0),
+                abortable=r.kind is ModelKind.LLM,
+            )
+            for r in self._scheduler.inflight()
+        ]
+
+    def set_pressure(self, model: str, level: Pressure) -> None:
+        runner = self._scheduler.runner(model)
+        if runner is not None:
+            runner.set_pressure(int(level))
+            self._levels[runner] = level
+
+    def pause_loads(self, paused: bool) -> None:
+        self._scheduler.pause_loads(paused)
+
+    async def unload(self, model: str) -> None:
+        await self._scheduler.unload(model, reason="pressure")
