@@ -165,6 +165,7 @@ class Supervisor:
         try:
             facts = await asyncio.wait_for(asyncio.shield(self._ready), timeout)
         except TimeoutError:
+            self._ready.cancel()  # nobody awaits it any more
             await self._abandon_start(crashed=False)
             raise Unavailable(
                 f"runner for {self.spec.id} did not load within {timeout:g} s "
@@ -172,11 +173,15 @@ class Supervisor:
                 retry_after=5.0,
             ) from None
         except ElbowroomError as exc:
-            await self._abandon_start(crashed=isinstance(exc, RunnerCrashed))
+            crashed = isinstance(exc, RunnerCrashed) and self._state is RunnerState.CRASHED
+            await self._abandon_start(crashed=crashed)
             raise
         except asyncio.CancelledError:  # the caller gave up (e.g. shutdown): leave no process
+            self._ready.cancel()
             await self._abandon_start(crashed=False)
             raise
+        if self._state is not RunnerState.STARTING:  # stop() was called while it loaded
+            raise self._crashed(self._exit_cause or "stop requested", stopped=True, loading=True)
         if self._level:
             self._send_quietly({"op": "pressure", "level": self._level})
         self._state = RunnerState.READY

@@ -42,6 +42,12 @@ class Stubborn:
         pass
 
 
+class NeverLoads(Stubborn):
+    def load(self, spec: ModelSpec, options: dict[str, Any]) -> dict[str, Any]:
+        threading.Event().wait()
+        return {}
+
+
 class DiesWhileLoading(Stubborn):
     def load(self, spec: ModelSpec, options: dict[str, Any]) -> dict[str, Any]:
         os._exit(3)
@@ -57,3 +63,7 @@ def unkillable_main(conn: Connection, spec: ModelSpec, options: dict[str, Any]) 
 
 def dies_while_loading_main(conn: Connection, spec: ModelSpec, options: dict[str, Any]) -> None:
     raise SystemExit(serve(conn, spec, options, DiesWhileLoading()))
+
+
+def never_loads_main(conn: Connection, spec: ModelSpec, options: dict[str, Any]) -> None:
+    raise SystemExit(serve(conn, spec, options, NeverLoads()))

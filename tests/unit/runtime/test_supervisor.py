@@ -253,9 +253,11 @@ def test_stop_ends_the_process_and_frees_its_memory(
 # ---- stub engines at the edge --------------------------------------------------------
 
 
-def stub_supervisor(target: Callable[..., None], exits: Exits) -> Supervisor:
+def stub_supervisor(
+    target: Callable[..., None], exits: Exits, settings: Settings = SETTINGS
+) -> Supervisor:
     spawn = functools.partial(spawn_worker, target=target)
-    return Supervisor(smollm2_spec(), exits, settings=SETTINGS, spawn=spawn)
+    return Supervisor(smollm2_spec(), exits, settings=settings, spawn=spawn)
 
 
 @pytest.mark.parametrize(
@@ -298,6 +300,43 @@ def test_death_while_loading_is_a_crash_named_by_exit_code(
         run(sup.start({}))
     assert "while loading (exit code 3)" in err.value.message
     assert sup.state is RunnerState.CRASHED and exits.calls == []
+
+
+def test_a_load_past_load_timeout_is_stopped(run: Callable[[Awaitable[Any]], Any]) -> None:
+    exits = Exits()
+    settings = Settings(load_timeout=0.5, stop_grace=0.2)
+    spawned: list[Any] = []
+
+    def spawn(conn: Any, spec: ModelSpec, options: dict[str, Any]) -> Any:
+        spawned.append(spawn_worker(conn, spec, options, target=stub_engines.never_loads_main))
+        return spawned[-1]
+
+    sup = Supervisor(smollm2_spec(), exits, settings=settings, spawn=spawn)
+    with pytest.raises(Unavailable) as err:
+        run(sup.start({}))
+    assert "load_timeout" in err.value.message and err.value.status == 503
+    assert sup.state is RunnerState.STOPPED and pid_gone(spawned[0].pid)
+    assert exits.calls == []
+
+
+def test_stop_while_loading_fails_the_start(run: Callable[[Awaitable[Any]], Any]) -> None:
+    exits = Exits()
+    sup = stub_supervisor(stub_engines.never_loads_main, exits)
+
+    async def start_then_stop() -> BaseException | None:
+        starting = asyncio.ensure_future(sup.start({}))
+        while sup.pid is None:  # spawned: the worker is now loading (forever)
+            await asyncio.sleep(0)
+        await sup.stop(0.2)
+        try:
+            await starting
+        except RunnerCrashed as exc:
+            return exc
+        return None
+
+    err = run(start_then_stop())
+    assert isinstance(err, RunnerCrashed) and "was stopped while loading" in err.message
+    assert sup.state is RunnerState.STOPPED and exits.calls == []
 
 
 def test_describe_exit_names_codes_and_signals() -> None:
