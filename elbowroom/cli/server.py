@@ -207,14 +207,17 @@ def _announce(settings: Settings, sock: socket.socket, services: Any, as_json: b
 
 
 def _budget_line(report: dict[str, Any]) -> str:
-    parts = []
-    for key in ("limit", "total", "reserve", "available", "committed"):
-        value = report.get(key)
-        if isinstance(value, int):
-            parts.append(f"{key} {format_size(value)}")
-    reason = report.get("limit_reason") or report.get("reason")
-    line = ", ".join(parts) if parts else "unknown"
-    return f"{line} ({reason})" if reason else line
+    """'limit 15.2 GiB (total 19.2 GiB − OS reserve 4.0 GiB ...), committed 0 B, ...'."""
+    limit: dict[str, Any] = report.get("limit") or {}
+    winner: dict[str, Any] = next(
+        (c for c in limit.get("candidates", []) if c.get("name") == limit.get("winner")), {}
+    )
+    why = f" ({winner['why']})" if winner.get("why") else ""
+    return (
+        f"limit {format_size(limit.get('value'))}{why}, "
+        f"committed {format_size(report.get('committed'))}, "
+        f"pressure {report.get('pressure', '-')}"
+    )
 
 
 # --- client commands
@@ -236,29 +239,22 @@ def cmd_ps(args: argparse.Namespace) -> int:
             format_size(m.get("bytes")),
             "yes" if m.get("pinned") else "no",
             m.get("busy", 0),
-            _expires(m.get("expires_in")),
+            m.get("expires_at") or "never",
         ]
         for m in data.get("models", [])
     ]
     if rows:
-        print(
-            table(["MODEL", "KIND", "STATE", "PID", "MEMORY", "PINNED", "BUSY", "UNLOAD IN"], rows)
-        )
+        headers = ["MODEL", "KIND", "STATE", "PID", "MEMORY", "PINNED", "BUSY", "UNLOADS AT"]
+        print(table(headers, rows))
     else:
         print("no models loaded")
     memory = data.get("memory", {})
-    if "limit" in memory:
+    if memory.get("limit") is not None:
         print(
             f"\ncommitted {format_size(memory.get('committed'))} of "
-            f"{format_size(memory.get('limit'))} limit"
+            f"{format_size(memory.get('limit'))} limit (pressure {memory.get('pressure')})"
         )
     return 0
-
-
-def _expires(seconds: Any) -> str:
-    if seconds is None:
-        return "never"
-    return f"{float(seconds):.0f}s"
 
 
 def cmd_load(args: argparse.Namespace) -> int:

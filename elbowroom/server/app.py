@@ -21,10 +21,12 @@ from fastapi import FastAPI
 from elbowroom import __version__
 from elbowroom.config import Settings
 from elbowroom.errors import ElbowroomError
+from elbowroom.guard.admission import AdmissionMiddleware
 from elbowroom.server import admin_routes, openai_routes
 from elbowroom.server.auth import ApiKeyMiddleware
 from elbowroom.server.deps import Services
 from elbowroom.server.errors import install_error_handlers
+from elbowroom.server.metrics import MetricsMiddleware
 
 log = logging.getLogger("elbowroom.server")
 
@@ -74,14 +76,8 @@ def create_app(
     install_error_handlers(app)
     # Starlette runs the middleware added last first: auth, then the guard's admission gate
     # (503 while memory is under hard pressure), then metrics (which sees every answer).
-    if _exists("elbowroom.server.metrics"):
-        from elbowroom.server.metrics import MetricsMiddleware
-
-        app.add_middleware(MetricsMiddleware)
-    if _exists("elbowroom.guard.admission"):
-        from elbowroom.guard.admission import AdmissionMiddleware
-
-        app.add_middleware(AdmissionMiddleware, guard=lambda: _guard_of(app))
+    app.add_middleware(MetricsMiddleware)
+    app.add_middleware(AdmissionMiddleware, guard=lambda: _guard_of(app))
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
 

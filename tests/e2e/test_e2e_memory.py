@@ -1,0 +1,141 @@
+"""Memory behaviour of a real server: keep-alive expiry, eviction under a limit that fits
+one LLM but not both, and 507 refusals with their numbers.
+
+The footprints are measured first (a server loads both models and reports their bytes);
+the limited server shares that server's data folder, so its predictions are those
+measurements. ELBOWROOM_OS_RESERVE is set so that the limit is exactly
+``override - reserve`` (the reserve candidate wins over the 80 % fraction and over
+"available", see docs/memory.md), which makes the arithmetic of the test exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+from serverproc import ServerFactory, ServerProcess, pid_alive, runner_pid, wait_for
+
+from elbowroom.config import Settings
+from elbowroom.units import MiB
+
+pytestmark = pytest.mark.slow
+
+SMOL, GEMMA = "smollm2-135m", "gemma3-270m"
+HI = [{"role": "user", "content": "Hi"}]
+RESERVE = 512 * MiB
+
+
+@dataclass(frozen=True)
+class Measured:
+    home: Path
+    bytes: dict[str, int]
+
+
+@pytest.fixture(scope="module")
+def measured(server_factory: ServerFactory, tmp_path_factory: pytest.TempPathFactory) -> Measured:
+    home = tmp_path_factory.mktemp("measured")
+    server = server_factory("--ctx", "1024", home=home)
+    sizes = {}
+    with server.http() as http:
+        for model in (SMOL, GEMMA):
+            r = http.post(f"/api/models/{model}/load")
+            assert r.status_code == 200, r.text
+            sizes[model] = int(r.json()["runner"]["bytes"])
+    server.stop()
+    return Measured(home, sizes)
+
+
+def test_keep_alive_expiry_unloads_and_memory_returns(server_factory: ServerFactory) -> None:
+    server = server_factory("--ctx", "1024")
+    before = server.memory()
+    assert before["committed"] == 0
+    out = server.openai().chat.completions.create(
+        model=SMOL, messages=HI, max_tokens=2, extra_body={"keep_alive": 1}
+    )
+    assert out.choices[0].message.content is not None
+    pid = runner_pid(server, SMOL)
+    loaded = server.memory()
+    # Loaded: the runner's measured bytes are committed (unless it expired already).
+    assert pid is None or loaded["committed"] > 0
+    wait_for(
+        lambda: all(m["id"] != SMOL for m in server.ps()), timeout=30, what="keep-alive expiry"
+    )
+    if pid is not None:
+        wait_for(lambda: not pid_alive(pid), timeout=30, what="the runner to exit")
+    after = server.memory()
+    assert after["committed"] == 0 and after["own_usage"] == 0
+
+
+def limited_server(
+    server_factory: ServerFactory, home: Path, limit: int
+) -> tuple[ServerProcess, int]:
+    server = server_factory(
+        "--ctx",
+        "1024",
+        home=home,
+        env={
+            "ELBOWROOM_OVERRIDE_MEMORY": str(limit + RESERVE),
+            "ELBOWROOM_OS_RESERVE": str(RESERVE),
+        },
+    )
+    report = server.memory()
+    assert report["limit"]["winner"] == "reserve", report["limit"]
+    return server, int(report["limit"]["value"])
+
+
+def test_alternating_models_evict_and_never_exceed_the_limit(
+    server_factory: ServerFactory, measured: Measured
+) -> None:
+    small, big = sorted(measured.bytes.values())
+    soft = Settings().soft_fraction
+    # One fits with room to spare (the guard's soft threshold stays above the bigger one),
+    # both do not.
+    low, high = int(big / soft) + 16 * MiB, small + big - 16 * MiB
+    if low >= high:
+        pytest.skip(f"footprints {measured.bytes} leave no limit that fits one but not both")
+    server, limit = limited_server(server_factory, measured.home, (low + high) // 2)
+    client = server.openai()
+    pids = []
+    for i, model in enumerate([SMOL, GEMMA] * 2):
+        out = client.chat.completions.create(model=model, messages=HI, max_tokens=2)
+        assert out.choices[0].message.content is not None, (i, model)
+        rows = server.ps()
+        assert [r["id"] for r in rows] == [model], rows  # the other one was evicted
+        assert sum(r["bytes"] for r in rows) <= limit
+        assert server.memory()["committed"] <= limit
+        pids.append(rows[0]["pid"])
+    assert len(set(pids)) == 4  # every switch was an unload and a fresh load
+
+    # Pinned, SmolLM2 cannot be evicted, so gemma cannot fit: 507 with the numbers.
+    with server.http() as http:
+        assert http.post(f"/api/models/{SMOL}/load", json={"pin": True}).status_code == 200
+        r = http.post("/v1/chat/completions", json={"model": GEMMA, "messages": HI})
+        assert r.status_code == 507, r.text
+        err = r.json()["error"]
+        assert err["type"] == "insufficient_memory" and err["model"] == GEMMA
+        assert err["limit"] == limit and err["needed"] > err["available"]
+        assert any(s["action"] == "unload_pinned" for s in err["suggestions"])
+        # The server keeps serving the pinned model.
+        ok = http.post(
+            "/v1/chat/completions", json={"model": SMOL, "messages": HI, "max_tokens": 2}
+        )
+        assert ok.status_code == 200
+
+
+def test_model_that_cannot_fit_at_all_is_507(
+    server_factory: ServerFactory, measured: Measured
+) -> None:
+    server, limit = limited_server(server_factory, measured.home, 32 * MiB)
+    with pytest.raises(openai.APIStatusError) as info:
+        server.openai().chat.completions.create(model=SMOL, messages=HI, max_tokens=2)
+    assert info.value.status_code == 507
+    err = info.value.body
+    assert isinstance(err, dict)
+    for key in ("model", "needed", "available", "limit", "suggestions", "message"):
+        assert key in err, err
+    assert err["model"] == SMOL and err["limit"] == limit and err["needed"] > limit
+    assert err["suggestions"], err
+    assert server.ps() == []
+    assert server.http().get("/health").json() == {"status": "ok"}

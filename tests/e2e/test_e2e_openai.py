@@ -1,0 +1,225 @@
+"""The OpenAI API of a real `elbowroom serve` (SmolLM2 on llama.cpp in a runner process),
+driven by the official openai client; bad input of every kind; the ps/load/unload CLI."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from serverproc import ServerFactory, ServerProcess, pid_alive, runner_pid, wait_for
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m"
+HI = [{"role": "user", "content": "Say hello."}]
+
+
+@pytest.fixture(scope="module")
+def server(server_factory: ServerFactory) -> ServerProcess:
+    return server_factory("--ctx", "1024")
+
+
+def test_models_list(server: ServerProcess) -> None:
+    models = {m.id: m for m in server.openai().models.list().data}
+    assert {MODEL, "gemma3-270m"} <= set(models)
+    raw = server.http().get(f"/v1/models/{MODEL}").json()
+    assert raw["object"] == "model" and raw["kind"] == "llm" and raw["engine"] == "llama"
+
+
+def test_chat_non_streaming(server: ServerProcess) -> None:
+    out = server.openai().chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=8, temperature=0, seed=1
+    )
+    assert out.id.startswith("chatcmpl-") and out.model == MODEL
+    choice = out.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert out.usage is not None and out.usage.prompt_tokens > 0
+    assert 0 < out.usage.completion_tokens <= 8
+    assert out.usage.prompt_tokens_details is not None
+    assert out.usage.prompt_tokens_details.cached_tokens is not None
+
+
+def test_chat_streaming_with_usage(server: ServerProcess) -> None:
+    stream = server.openai().chat.completions.create(
+        model=MODEL,
+        messages=HI,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.strip()
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert len(finish) == 1 and finish[0] in ("stop", "length")
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None and usage.completion_tokens > 0
+    # Same prompt, greedy, not streamed: the same text.
+    again = server.openai().chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=8, temperature=0
+    )
+    assert again.choices[0].message.content == text
+
+
+def test_completions(server: ServerProcess) -> None:
+    client = server.openai()
+    out = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0
+    )
+    assert out.object == "text_completion" and out.choices[0].text
+    assert out.choices[0].finish_reason in ("stop", "length")
+    streamed = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=["The capital of France is"],
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+        )
+    )
+    assert "".join(c.choices[0].text for c in streamed) == out.choices[0].text
+    assert streamed[-1].choices[0].finish_reason == out.choices[0].finish_reason
+
+
+def test_stop_sequences_and_length(server: ServerProcess) -> None:
+    out = server.openai().completions.create(
+        model=MODEL, prompt="1, 2, 3, 4,", max_tokens=3, temperature=0
+    )
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage is not None and out.usage.completion_tokens == 3
+    stopped = server.openai().completions.create(
+        model=MODEL, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=[","]
+    )
+    assert "," not in stopped.choices[0].text and stopped.choices[0].finish_reason == "stop"
+
+
+def chat(**kw: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": MODEL, "messages": HI, "max_tokens": 4}
+    body.update(kw)
+    return body
+
+
+BAD = [
+    # (name, path, json body or raw bytes, status, param)
+    ("malformed json", "/v1/chat/completions", b'{"model": "smollm2-135m", ', 400, None),
+    ("body is a list", "/v1/chat/completions", b"[1]", 400, None),
+    ("messages not a list", "/v1/chat/completions", chat(messages="hi"), 400, "messages"),
+    ("max_tokens a string", "/v1/chat/completions", chat(max_tokens="many"), 400, "max_tokens"),
+    ("temperature a string", "/v1/chat/completions", chat(temperature="hot"), 400, "temperature"),
+    ("unknown model", "/v1/chat/completions", chat(model="gpt-17"), 404, "model"),
+    ("path traversal model", "/v1/chat/completions", chat(model="../../etc/passwd"), 404, "model"),
+    ("empty messages", "/v1/chat/completions", chat(messages=[]), 400, "messages"),
+    ("n=2", "/v1/chat/completions", chat(n=2), 400, "n"),
+    ("negative max_tokens", "/v1/chat/completions", chat(max_tokens=-1), 400, "max_tokens"),
+    ("absurd max_tokens", "/v1/chat/completions", chat(max_tokens=10**9), 400, "max_tokens"),
+    ("prompt not a string", "/v1/completions", {"model": MODEL, "prompt": [1, 2]}, 400, "prompt"),
+    ("wrong kind of model", "/v1/chat/completions", chat(model="whisper-tiny.en"), 400, "model"),
+]
+
+
+@pytest.mark.parametrize(("name", "path", "body", "status", "param"), BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_an_openai_error(
+    server: ServerProcess, name: str, path: str, body: Any, status: int, param: str | None
+) -> None:
+    with server.http() as http:
+        if isinstance(body, bytes):
+            r = http.post(path, content=body, headers={"content-type": "application/json"})
+        else:
+            r = http.post(path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] and "param" in err and "code" in err
+    assert err["param"] == param
+
+
+def test_errors_for_routes_and_ids(server: ServerProcess) -> None:
+    with server.http() as http:
+        for path in ("/v1/models/..%2F..%2Fetc%2Fpasswd", "/v1/models/nope", "/v1/nothing"):
+            r = http.get(path)
+            assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+        r = http.post("/api/models/..%2F..%2Fetc%2Fpasswd/load")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        server.openai().chat.completions.create(model="../../etc/passwd", messages=HI)
+
+
+def test_prompt_over_the_context_is_a_400(server: ServerProcess) -> None:
+    long_prompt = "word " * 3000  # well over --ctx 1024
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as info:
+            result = server.openai().chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": long_prompt}], stream=stream
+            )
+            list(result) if stream else None  # type: ignore[call-overload]
+        assert info.value.code == "context_length_exceeded"
+    # ... and the server still answers.
+    ok = server.openai().chat.completions.create(model=MODEL, messages=HI, max_tokens=2)
+    assert ok.choices[0].message.content is not None
+
+
+def test_client_disconnect_mid_stream_frees_the_runner(server: ServerProcess) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": "1, 2, 3, 4, 5,",
+        "max_tokens": 900,
+        "temperature": 0,
+        "stream": True,
+    }
+    with server.http() as http, http.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first.removeprefix("data: "))["choices"]
+    # The response is closed: the server must close the runner's request (cancel) ...
+    wait_for(lambda: "client went away" in server.log(), timeout=30, what="the cancel log")
+    # ... the model goes idle, and the next request is served.
+    wait_for(lambda: all(m["busy"] == 0 for m in server.ps()), timeout=60, what="idle runner")
+    ok = server.openai().completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert ok.choices[0].text is not None
+
+
+def test_cli_ps_load_unload(server: ServerProcess) -> None:
+    loaded = server.cli("load", MODEL, "--pin", "--json")
+    assert loaded.returncode == 0, loaded.stderr
+    data = json.loads(loaded.stdout)
+    assert data["model"] == MODEL and data["pinned"] is True
+    pid = runner_pid(server, MODEL)
+    assert pid is not None and pid_alive(pid)
+
+    table = server.cli("ps")
+    assert table.returncode == 0 and MODEL in table.stdout and "PINNED" in table.stdout
+    rows = json.loads(server.cli("ps", "--json").stdout)["models"]
+    assert [r["pinned"] for r in rows if r["id"] == MODEL] == [True]
+
+    unloaded = server.cli("unload", MODEL)
+    assert unloaded.returncode == 0 and "unloaded" in unloaded.stdout
+    wait_for(lambda: not pid_alive(pid), timeout=30, what="the runner to exit")
+    assert runner_pid(server, MODEL) is None
+
+    missing = server.cli("load", "no-such-model", "--json")
+    assert missing.returncode == 1 and "does not exist" in missing.stderr
+    assert json.loads(missing.stdout)["error"]["status"] == 404
+
+
+def test_unreachable_server_is_a_clear_cli_error(server: ServerProcess) -> None:
+    import subprocess
+    import sys
+
+    from serverproc import REPO
+
+    r = subprocess.run(
+        [sys.executable, "-m", "elbowroom", "ps", "--url", "http://127.0.0.1:9"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 1 and "cannot reach the server" in r.stderr
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
