@@ -6,6 +6,7 @@ the runner that loads a piper voice, and a missing install is a clear load error
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,8 @@ class PiperEngine:
 
     def load(self, spec: ModelSpec, options: dict[str, Any]) -> dict[str, Any]:
         try:
-            from piper import PiperVoice, SynthesisConfig
+            import onnxruntime as ort
+            from piper import PiperConfig, PiperVoice, SynthesisConfig
         except ImportError as exc:
             raise EngineError(
                 "piper-tts is not installed, so speech synthesis is off; install the tts extra "
@@ -64,9 +66,19 @@ class PiperEngine:
         config = options.get("config") or spec.options.get("config") or f"{spec.path}.json"
         if not Path(config).is_file():
             raise EngineError(f"the piper voice config {config} is missing")
+        # What PiperVoice.load does, but without onnxruntime's memory arena: with it the
+        # runner kept every sentence length's buffers (measured: 103 MB anonymous after
+        # load, 296 MB after six requests); without, it stays near 150 MB.
+        session_options = ort.SessionOptions()
+        session_options.enable_cpu_mem_arena = False
+        session_options.intra_op_num_threads = int(options.get("threads") or 2)
         try:
-            self._voice = PiperVoice.load(str(spec.path), config_path=str(config))
-        except (RuntimeError, ValueError, OSError, KeyError) as exc:
+            voice_config = PiperConfig.from_dict(json.loads(Path(config).read_text()))
+            session = ort.InferenceSession(
+                str(spec.path), session_options, providers=["CPUExecutionProvider"]
+            )
+            self._voice = PiperVoice(config=voice_config, session=session)
+        except Exception as exc:  # onnxruntime's exception types are not importable
             raise EngineError(f"cannot load the piper voice at {spec.path}: {exc}") from exc
         self._syn_config = SynthesisConfig
         self._formats = supported_formats()
