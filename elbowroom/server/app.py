@@ -22,6 +22,7 @@ from elbowroom import __version__
 from elbowroom.config import Settings
 from elbowroom.errors import ElbowroomError
 from elbowroom.guard.admission import AdmissionMiddleware
+from elbowroom.memory.types import Probe
 from elbowroom.server import admin_routes, openai_routes
 from elbowroom.server.auth import ApiKeyMiddleware
 from elbowroom.server.deps import Services
@@ -45,13 +46,16 @@ def create_app(
     *,
     services: Services | None = None,
     on_ready: OnReady | None = None,
+    probe: Probe | None = None,
 ) -> FastAPI:
+    """``probe`` replaces the platform's memory probe (tests run a fake machine with it)."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if services is not None:
             yield
             return
-        built = await start_services(settings)
+        built = await start_services(settings, probe=probe)
         app.state.services = built
         try:
             if on_ready is not None:
@@ -74,10 +78,11 @@ def create_app(
     if services is not None:
         app.state.services = services
     install_error_handlers(app)
-    # Starlette runs the middleware added last first: auth, then the guard's admission gate
-    # (503 while memory is under hard pressure), then metrics (which sees every answer).
-    app.add_middleware(MetricsMiddleware)
+    # Starlette runs the middleware added last first: the API key (nothing unauthenticated
+    # gets further, not even into metrics labels), then metrics (which so also counts the
+    # guard's refusals), then the guard's admission gate (503 under hard memory pressure).
     app.add_middleware(AdmissionMiddleware, guard=lambda: _guard_of(app))
+    app.add_middleware(MetricsMiddleware)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
 
@@ -102,7 +107,7 @@ def _guard_of(app: FastAPI) -> Any:
     return services.guard if services is not None else None
 
 
-async def start_services(settings: Settings) -> Services:
+async def start_services(settings: Settings, *, probe: Probe | None = None) -> Services:
     """Discover models, start the memory monitor, the pressure guard and the scheduler, and
     load what ``preload`` / ``pin`` ask for. Unknown ids there stop the start (a typo should
     not go unnoticed); a model that cannot be loaded is logged and served later on demand."""
@@ -118,7 +123,8 @@ async def start_services(settings: Settings) -> Services:
     catalog = discover(settings)
     for model_id in (*settings.preload, *settings.pin):
         catalog.get(model_id)  # ModelNotFound names the id
-    probe = default_probe(settings)
+    if probe is None:
+        probe = default_probe(settings)
     scheduler = Scheduler(
         settings,
         catalog,
