@@ -20,14 +20,13 @@ from serverproc import ServerFactory, ServerProcess
 def gemma_file(tmp_path_factory: pytest.TempPathFactory) -> Path | None:
     """The assembled gemma3-270m GGUF, or None when its packages are not installed."""
     from elbowroom.config import Settings, load_settings
-    from elbowroom.models.bundled import _gemma_expected_size, gemma_path, prepare
+    from elbowroom.models.bundled import bundled_specs, gemma_path, prepare, unprepared
 
-    expected = _gemma_expected_size()
-    if expected is None:
+    default = load_settings(environ={})
+    if any(spec.id == "gemma3-270m" for spec in bundled_specs(default)):
+        return gemma_path(default)  # setup assembled it already
+    if "gemma3-270m" not in unprepared(default):
         return None
-    default = gemma_path(load_settings(environ={}))
-    if default.is_file() and default.stat().st_size == expected:
-        return default
     settings = Settings(data_dir=tmp_path_factory.mktemp("gemma"))
     prepare(settings)
     return gemma_path(settings)
