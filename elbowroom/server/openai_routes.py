@@ -72,14 +72,12 @@ async def _generate(
     services = get_services(request)
     settings = services.settings
     spec = _text_model(services.catalog, body.model or settings.default_model)
-    max_tokens = body.requested_max_tokens()
+    max_tokens, param = body.requested_max_tokens()
     if max_tokens is not None and max_tokens > settings.max_tokens_cap:
         raise BadRequest(
-            f"max_tokens={max_tokens} is above this server's ceiling of "
+            f"{param}={max_tokens} is above this server's ceiling of "
             f"{settings.max_tokens_cap} (ELBOWROOM_MAX_TOKENS_CAP)",
-            param="max_completion_tokens"
-            if body.model_fields_set & {"max_completion_tokens"}
-            else "max_tokens",
+            param=param,
             code="invalid_value",
         )
     keep_alive = parse_keep_alive(body.keep_alive)

@@ -110,9 +110,11 @@ class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
 
-    def requested_max_tokens(self) -> int | None:
-        # OpenAI's newer name wins when both are sent.
-        return self.max_completion_tokens or self.max_tokens
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """The value and the param that gave it: OpenAI's newer name wins when both are sent."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
 
 
 class CompletionRequest(_Sampling):
@@ -147,5 +149,5 @@ class CompletionRequest(_Sampling):
     def prompt_text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
-    def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        return self.max_tokens, "max_tokens"
