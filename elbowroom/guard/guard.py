@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -101,11 +102,23 @@ _KINDS: dict[type, str] = {
 }
 
 
-def reading_of(sample: Sample) -> Reading:
+def reading_of(sample: Sample, freeing: int = 0) -> Reading:
     """Our runners' bytes against the sample's limit (which follows what is available, so a
-    neighbour filling the machine or the cgroup lowers the thresholds under us)."""
+    neighbour filling the machine or the cgroup lowers the thresholds under us), net of
+    ``freeing``: bytes of unloads the sample still counted."""
     lim = sample.limit
-    return Reading(usage=sample.own_usage, limit=lim.value, soft=lim.soft, hard=lim.hard)
+    usage = max(0, sample.own_usage - freeing)
+    return Reading(usage=usage, limit=lim.value, soft=lim.soft, hard=lim.hard, freeing=freeing)
+
+
+@dataclass(slots=True)
+class _Unloading:
+    """An unload the guard started: its bytes count as freed from the start, and keep being
+    subtracted from samples measured before the runner was gone."""
+
+    bytes: int
+    task: asyncio.Task[None]
+    done_at: float | None = None  # time.monotonic() when the unload completed
 
 
 class PressureGuard:
@@ -123,7 +136,7 @@ class PressureGuard:
         self._gate = Gate()
         self._prev = Pressure.NORMAL
         self._aborting: dict[str, str] = {}  # request id -> model, until the request ends
-        self._unloading: dict[str, asyncio.Task[None]] = {}
+        self._unloading: dict[str, _Unloading] = {}
         self._events: deque[GuardEvent] = deque(maxlen=events)
         self.counters: Counter[tuple[str, str]] = Counter()  # (kind, reason) -> count
         self.latest: Sample | None = None
@@ -147,8 +160,8 @@ class PressureGuard:
             with contextlib.suppress(asyncio.CancelledError):
                 await worker
         self._loop = None
-        for task in list(self._unloading.values()):
-            task.cancel()
+        for pending in list(self._unloading.values()):
+            pending.task.cancel()
         self._unloading.clear()
 
     # --- the monitor side (any thread) -----------------------------------------------
@@ -186,9 +199,9 @@ class PressureGuard:
         self.latest = sample
         if not self.enabled:
             return []
-        reading = reading_of(sample)
+        reading = reading_of(sample, self._freeing(sample))
         inflight = self._inflight()
-        models = self._models()
+        models = self._target.models()
         actions = plan(
             sample.level,
             self._prev,
@@ -212,14 +225,17 @@ class PressureGuard:
             del self._aborting[rid]
         return [replace(i, aborting=True) if i.request_id in self._aborting else i for i in current]
 
-    def _models(self) -> list[LoadedModel]:
-        done = [m for m, t in self._unloading.items() if t.done()]
-        for m in done:
-            del self._unloading[m]
-        return [
-            replace(m, unloading=True) if m.id in self._unloading else m
-            for m in self._target.models()
-        ]
+    def _freeing(self, sample: Sample) -> int:
+        """Bytes of our unloads that ``sample`` still counts. A sample is handed over after it
+        was measured, so an unload that completed meanwhile is still in its numbers: only a
+        snapshot taken after the completion shows the memory back (``Snapshot.taken_at`` is
+        time.monotonic(); a probe that leaves it 0 gets no such correction)."""
+        taken = sample.snapshot.taken_at
+        for model, pending in list(self._unloading.items()):
+            done = pending.done_at
+            if done is not None and (taken == 0.0 or taken > done):
+                del self._unloading[model]
+        return sum(p.bytes for p in self._unloading.values())
 
     def _apply(self, action: Action, sample: Sample, reading: Reading) -> None:
         kind = _KINDS[type(action)]
@@ -234,7 +250,9 @@ class PressureGuard:
         elif isinstance(action, Unload):
             model = action.model
             reason = "pinned" if action.pinned else reason
-            self._unloading[action.model] = asyncio.create_task(self._unload(action.model))
+            pending = _Unloading(action.bytes, asyncio.create_task(self._unload(action.model)))
+            pending.task.add_done_callback(functools.partial(_mark_done, pending))
+            self._unloading[action.model] = pending
         elif isinstance(action, Abort):
             model = action.model
             reason = action.reason
@@ -330,3 +348,7 @@ class PressureGuard:
             ],
             "at": time.time(),
         }
+
+
+def _mark_done(pending: _Unloading, _task: asyncio.Task[None]) -> None:
+    pending.done_at = time.monotonic()

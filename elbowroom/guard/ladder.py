@@ -14,7 +14,8 @@ The rungs, in order (each level does everything the levels below it do):
   until the bytes over the soft threshold are freed. When usage is not over in bytes (the
   level comes from PSI, which is a 10 s average and lags), one model goes when the level
   rises and no more: unloading one per sample would empty the server for a stall that has
-  already ended. Nothing new is unloaded while an earlier unload is still releasing memory.
+  already ended. Usage is counted net of the unloads still under way (``Reading.freeing``),
+  so one excess is never answered twice.
 - hard (over ``hard_fraction``, or PSI over ``psi_hard``): refuse new requests with 503
   + Retry-After until back under soft; unload every idle unpinned model; then abort ONE
   generation per sample (first the newest: least work lost; then the largest: most memory
@@ -56,17 +57,21 @@ class LoadedModel:
     pinned: bool = False
     llm: bool = False  # its runner takes pressure levels (KV RAM tier, 16-token checks)
     runner_level: Pressure = Pressure.NORMAL  # the level last sent to its runner
-    unloading: bool = False  # an unload was started and its memory is not back yet
 
 
 @dataclass(frozen=True, slots=True)
 class Reading:
-    """The numbers of one sample the ladder compares (bytes)."""
+    """The numbers of one sample the ladder compares (bytes).
+
+    ``usage`` is net of ``freeing``: the bytes of unloads under way (or finished after the
+    sample was measured) that the measurement still counted.
+    """
 
     usage: int
     limit: int
     soft: int  # usage at which the level turns soft
     hard: int  # ... and hard
+    freeing: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,13 +226,13 @@ def plan(
             actions.append(OpenAdmission(reading.usage, reading.soft))
 
     unloads = _unloads(level, prev, models, reading) if soft_or_worse else []
-    pending = sum(m.bytes for m in models if m.unloading)
-    freed = pending + sum(u.bytes for u in unloads)
+    freed = sum(u.bytes for u in unloads)
 
     abort: Abort | None = None
     if hard:
         abort = _abort(inflight, gate.aborts, reading, freed)
-        if abort is None and freed == 0 and not any(i.aborting for i in inflight):
+        nothing_else = freed == 0 and reading.freeing == 0
+        if abort is None and nothing_else and not any(i.aborting for i in inflight):
             unloads = _pinned_unloads(models, reading)
 
     aborting_models = {i.model for i in inflight if i.aborting}
@@ -235,7 +240,7 @@ def plan(
         aborting_models.add(abort.model)
     gone = {u.model for u in unloads}
     for m in models:
-        if not m.llm or m.unloading or m.id in gone:
+        if not m.llm or m.id in gone:
             continue
         want = Pressure.HARD if m.id in aborting_models else min(level, Pressure.SOFT)
         if want != m.runner_level:
@@ -251,19 +256,16 @@ def _unloads(
     level: Pressure, prev: Pressure, models: Sequence[LoadedModel], reading: Reading
 ) -> list[Unload]:
     order = sorted(
-        (m for m in models if m.busy == 0 and not m.pinned and not m.unloading),
+        (m for m in models if m.busy == 0 and not m.pinned),
         key=lambda m: (m.last_used, m.id),
     )
     if level >= Pressure.HARD:
         taken = order
-    elif any(m.unloading for m in models):
-        # An unload's memory takes a moment to show up as free: wait for it rather than
-        # unloading a second model for the same excess.
-        taken = []
     else:
         excess = reading.usage - reading.soft
-        # no byte excess: the level comes from PSI; one model on the rising edge only
-        first = order[:1] if prev < level else []
+        # No byte excess: either unloads under way cover it (wait for them), or the level
+        # comes from PSI: one model on the rising edge only.
+        first = order[:1] if prev < level and reading.freeing == 0 else []
         taken = _prefix(order, excess) if excess > 0 else first
     threshold = reading.hard if level >= Pressure.HARD else reading.soft
     return [Unload(m.id, m.bytes, level, reading.usage, threshold) for m in taken]
@@ -284,7 +286,7 @@ def _prefix(order: Sequence[LoadedModel], need: int) -> list[LoadedModel]:
 def _pinned_unloads(models: Sequence[LoadedModel], reading: Reading) -> list[Unload]:
     """Last resort at hard: the least recently used idle pinned model."""
     pinned = sorted(
-        (m for m in models if m.busy == 0 and m.pinned and not m.unloading),
+        (m for m in models if m.busy == 0 and m.pinned),
         key=lambda m: (m.last_used, m.id),
     )
     return [
@@ -299,7 +301,7 @@ def _abort(inflight: Sequence[InFlight], aborts: int, reading: Reading, freed: i
     need = reading.usage - reading.hard
     if need > 0 and freed >= need:
         return None  # the unloads under way are enough
-    if need <= 0 and (freed > 0 or aborts > 0):
+    if need <= 0 and (freed > 0 or reading.freeing > 0 or aborts > 0):
         return None  # pressure not in bytes (PSI): unloads first, then one abort at most
     candidates = [i for i in inflight if i.abortable]
     if not candidates:

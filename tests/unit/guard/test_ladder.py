@@ -68,10 +68,17 @@ def test_soft_unloads_idle_lru_until_the_excess_is_freed() -> None:
     assert "oldest" in u.message() and "over the soft threshold" in u.message()
 
 
-def test_soft_waits_for_an_unload_in_progress() -> None:
-    models = [model("going", 300, 1.0, unloading=True), model("idle", 200, 2.0)]
-    actions = plan(S, S, [], models, reading=reading(900), gate=Gate(loads_paused=True))
-    assert of(Unload, actions) == []
+def test_soft_counts_usage_net_of_the_unloads_under_way() -> None:
+    models = [model("idle", 200, 2.0)]
+    # 900 measured, 300 of it being freed: 600 is under soft, nothing more to unload ...
+    freeing = Reading(usage=600 * MiB, limit=LIMIT, soft=SOFT, hard=HARD, freeing=300 * MiB)
+    for prev in (N, S):  # ... not even the PSI rising-edge one
+        assert of(Unload, plan(S, prev, [], models, reading=freeing, gate=Gate())) == []
+    # still 50 over after the freeing: the next model goes
+    short = Reading(usage=900 * MiB, limit=LIMIT, soft=SOFT, hard=HARD, freeing=100 * MiB)
+    assert [u.model for u in of(Unload, plan(S, S, [], models, reading=short, gate=Gate()))] == [
+        "idle"
+    ]
 
 
 def test_psi_soft_unloads_one_model_on_the_rising_edge_only() -> None:

@@ -25,7 +25,7 @@ MiB = 1024**2
 pytestmark = pytest.mark.anyio
 
 
-def sample(own_mib: int, level: Pressure, at: float = 0.0) -> Sample:
+def sample(own_mib: int, level: Pressure, at: float = 0.0, taken_at: float = 0.0) -> Sample:
     limit = Limit(
         value=1000 * MiB,
         winner="reserve",
@@ -33,7 +33,9 @@ def sample(own_mib: int, level: Pressure, at: float = 0.0) -> Sample:
         soft=850 * MiB,
         hard=950 * MiB,
     )
-    snap = Snapshot("linux", 2000 * MiB, 500 * MiB, 1500 * MiB, 2000 * MiB, 500 * MiB)
+    snap = Snapshot(
+        "linux", 2000 * MiB, 500 * MiB, 1500 * MiB, 2000 * MiB, 500 * MiB, taken_at=taken_at
+    )
     return Sample(at, 1_700_000_000.0 + at, snap, own_mib * MiB, limit, level)
 
 
@@ -86,6 +88,24 @@ async def test_soft_pauses_loads_and_unloads_the_lru_idle_model() -> None:
     unload = next(e for e in guard.events() if e.kind == "unload")
     assert unload.model == "old" and "900.0 MiB" in unload.message and unload.usage == 900 * MiB
     assert guard.counters[("unload", "soft")] == 1
+
+
+async def test_a_sample_measured_before_an_unload_completed_does_not_unload_again() -> None:
+    target = Recorder(loaded=[llm("a", 100, 1.0), llm("b", 100, 2.0)])
+    guard = PressureGuard(target)
+    await guard.apply(sample(900, Pressure.SOFT, taken_at=time.monotonic()))
+    measured_before = time.monotonic()
+    await settle()  # the unload of "a" completes now, after that measurement
+    assert target.calls.count(("unload", "a")) == 1
+    # this sample was measured before the completion: it still counts a's 100 MiB
+    await guard.apply(sample(900, Pressure.SOFT, taken_at=measured_before))
+    await settle()
+    assert ("unload", "b") not in target.calls
+    assert guard.state()["unloading"] == ["a"]
+    # a sample taken afterwards shows the memory back; a still-high reading means real excess
+    await guard.apply(sample(900, Pressure.SOFT, taken_at=time.monotonic()))
+    await settle()
+    assert ("unload", "b") in target.calls
 
 
 async def test_hard_closes_admission_until_back_under_soft() -> None:
