@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from elbowroom.errors import BadRequest
+from elbowroom.memory.types import ProcessMemory
 from elbowroom.models.spec import Footprint, GGUFInfo, ModelSpec
 from elbowroom.units import MiB
 
@@ -43,16 +44,18 @@ CTX_STEP = 256  # auto-sized contexts are multiples of this
 # --- llama.cpp (llama-cpp-python 0.3.36, CPU), fitted on SmolLM2-135M (vocab 49,152) and
 # gemma3-270m (vocab 262,144) after a short generation, n_ctx 512..8192, f16/q8_0/q4_0 KV,
 # flash attention on and off. Anonymous minus KV was 45.6 MB and 90.2 MB: solving
-# fixed + per_vocab × n_vocab for both gives 33.7 MB and 209.5 B; rounded up below.
-# The fixed part is the Python interpreter with llama_cpp imported (21.9 MB) plus the
-# context's buffers; the per-vocab part is llama.cpp's vocabulary tables.
-LLAMA_FIXED_ANON = 34 * MiB
+# fixed + per_vocab × n_vocab for both gives 33.7 MB and 209.5 B (the per-vocab part is
+# llama.cpp's vocabulary tables). The fixed part is the interpreter with llama_cpp imported
+# (21.9 MB) plus the context's buffers, rounded up, plus 2 MiB for elbowroom's runner
+# modules, which the calibration child does not import.
+LLAMA_FIXED_ANON = 36 * MiB
 LLAMA_PER_VOCAB = 210
 LOGIT_BYTES = 4  # one f32 per vocabulary entry per sequence
 # Shared libraries (libllama, libggml, numpy, python) mapped by the runner: 30.5 MB measured.
 LLAMA_RUNTIME_FILE = 30 * MiB
 # A GGUF without a vocabulary size is sized as if it had a large one (conservative).
 DEFAULT_VOCAB = 128_000
+RUNNER_MODULES = 2 * MiB  # elbowroom's runner + engine modules, on top of the library
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,23 +63,29 @@ class ResidentProfile:
     """How a resident engine's memory relates to its weights on disk."""
 
     anon_factor: float  # anonymous bytes per byte of weights on disk
-    runtime_anon: int  # interpreter + library, before the model is loaded
+    runtime_anon: int  # interpreter + library + our runner modules, before the model loads
     runtime_file: int  # the library's shared objects (file-backed)
     source: str  # where the numbers came from
 
 
-# Measured once per engine (see the module docstring): Python + library import, then load
-# and one small request; factor = (anonymous after the request − after import) / weights.
+# Measured with elbowroom.models.calibrate (elbowroom's own engine classes, 2 threads),
+# after one small request: runtime_anon = the libraries imported (no weights) +
+# RUNNER_MODULES; anon_factor = (after the request − after import) / weights on disk.
+# runtime_file = file-backed after the request (the libraries' shared objects), rounded up.
 RESIDENT_PROFILES: dict[str, ResidentProfile] = {
-    # faster-whisper int8, tiny.en (78.1 MB folder), 3 s of audio: 220.4 MB anonymous.
-    "whisper": ResidentProfile(2.5, 28 * MiB, 54 * MiB, "whisper-tiny.en, 3 s transcription"),
-    # piper, en_US-joe-medium (63.2 MB onnx), one sentence: 160.4 MB anonymous.
-    "piper": ResidentProfile(2.2, 23 * MiB, 41 * MiB, "piper-en-us-joe, one sentence"),
-    # onnxruntime defaults, all-MiniLM-L6 int8 (22.9 MB), 8 short inputs: 226.0 MB.
-    # The int8 graph is unpacked and the CPU arena pre-sized, hence the large factor.
-    "onnx-embed": ResidentProfile(8.9, 23 * MiB, 45 * MiB, "minilm-l6-v2, 8 short inputs"),
-    # pocketsphinx en-us (37.9 MB model folder), 2 s of audio: 109.9 MB anonymous.
-    "pocketsphinx": ResidentProfile(2.6, 15 * MiB, 24 * MiB, "sphinx-en-us, 2 s of audio"),
+    # faster-whisper int8, tiny.en (78.1 MB folder), 3 s tone via av: 210-235 MiB over runs
+    # (decoding varies), import 26.8 MiB; the factor aims at the middle, 226 MiB.
+    "whisper": ResidentProfile(2.65, 27 * MiB + RUNNER_MODULES, 57 * MiB, "whisper-tiny.en"),
+    # piper without the onnxruntime arena (engines/piper.py), en_US-joe-medium (63.2 MB),
+    # one sentence: 136.3 MiB, import 23.4 MiB; rounded up to 2.0 because longer sentences
+    # settle near 150 MB (the engine's own measurement).
+    "piper": ResidentProfile(2.0, 23 * MiB + RUNNER_MODULES, 53 * MiB, "piper-en-us-joe"),
+    # onnxruntime without constant folding or arena (engines/embed.py), MiniLM-L6 int8
+    # (22.9 MB), 8 short inputs: 68.3 MiB, import 23.5 MiB. A big batch adds activations
+    # for its duration only (no arena); they are not part of the footprint.
+    "onnx-embed": ResidentProfile(2.1, 24 * MiB + RUNNER_MODULES, 45 * MiB, "minilm-l6-v2"),
+    # pocketsphinx en-us (37.9 MB model folder), 3 s tone via av: 110.4 MiB, import 19.2.
+    "pocketsphinx": ResidentProfile(2.55, 19 * MiB + RUNNER_MODULES, 41 * MiB, "sphinx-en-us"),
 }
 # An engine we have not measured: assume it holds three times its weights.
 GENERIC_PROFILE = ResidentProfile(3.0, 64 * MiB, 64 * MiB, "unmeasured engine: a guess")
@@ -140,9 +149,13 @@ def footprint(
     n_ctx: int,
     slots: int = 1,
     kv_type: str = "f16",
-    measured: MeasuredStore | None = None,
+    measured: MeasuredStore | ProcessMemory | None = None,
 ) -> Footprint:
-    """Predicted bytes once loaded; a remembered measurement for the same file wins."""
+    """Predicted bytes once loaded; a measurement for the same file and settings wins.
+
+    ``measured`` is the store to look in, or a measurement already looked up (what the
+    scheduler passes). KV bytes/token and the KV total stay the prediction's either way.
+    """
     if n_ctx < 0 or slots < 1:
         raise BadRequest(f"need n_ctx >= 0 and slots >= 1, got n_ctx={n_ctx} slots={slots}")
     check_kv_type(kv_type)
@@ -150,7 +163,10 @@ def footprint(
         predicted = _llm_footprint(spec, spec.gguf, n_ctx, slots, kv_type)
     else:
         predicted = _resident_footprint(spec)
-    seen = measured.lookup(spec, n_ctx, slots, kv_type) if measured is not None else None
+    if isinstance(measured, ProcessMemory) or measured is None:
+        seen = measured
+    else:
+        seen = measured.lookup(spec, n_ctx, slots, kv_type)
     if seen is None:
         return predicted
     return replace(
