@@ -107,7 +107,11 @@ def decode_audio(
             for out in resampler.resample(None):
                 chunks.append(out.to_ndarray().reshape(-1))
     except av.error.FFmpegError as exc:
-        raise BadRequest(f"the file is not audio this server can decode: {exc}") from exc
+        # strerror, not str(exc): that names our temporary file
+        reason = getattr(exc, "strerror", None) or type(exc).__name__
+        raise BadRequest(
+            f"the file is not audio this server can decode ({reason})", param="file"
+        ) from exc
     except (IndexError, ValueError, OSError) as exc:
         raise BadRequest(f"cannot decode the audio: {exc}", param="file") from exc
     if not chunks or sum(c.size for c in chunks) == 0:
