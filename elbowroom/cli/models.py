@@ -1,0 +1,344 @@
+"""`elbowroom ls` (the catalog, with predicted footprints) and `elbowroom plan MODEL` (the
+budget arithmetic for one model, step by step).
+
+Standalone: no server is asked, so nothing is committed yet ("ours" is 0) and the budget is
+the one a server starting now would have. A running server shows its own view at /api/ps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from elbowroom.cli.common import add_common, print_json, settings_from, table
+from elbowroom.config import Settings
+from elbowroom.errors import ElbowroomError
+from elbowroom.memory.budget import BudgetConfig, Fit, Limit, fits, limit_to_dict, memory_limit
+from elbowroom.memory.probe import default_probe
+from elbowroom.memory.types import Snapshot
+from elbowroom.models.bundled import unprepared
+from elbowroom.models.catalog import Catalog, discover
+from elbowroom.models.estimate import auto_context, context_cap, footprint, max_context
+from elbowroom.models.measured import MeasuredStore
+from elbowroom.models.spec import Footprint, ModelSpec
+from elbowroom.units import format_size as fs
+
+KV_TYPES = ("f16", "q8_0", "q4_0")
+
+
+def _add_catalog_flags(p: argparse.ArgumentParser) -> None:
+    add_common(p)
+    p.add_argument("--models-dir", type=Path, default=None, help="folder of model files")
+    p.add_argument(
+        "--model", action="append", type=Path, metavar="PATH", help="also list this file/folder"
+    )
+    p.add_argument("--kv-type", default=None, choices=KV_TYPES, help="KV cache type (f16)")
+    p.add_argument("--slots", type=int, default=None, help="parallel sequences (1)")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "ls",
+        help="list the models, their predicted footprint and whether they fit",
+        description="List every model in the catalog: kind, engine, size on disk, the context "
+        "an LLM would get, the predicted footprint, and whether it fits the budget now.",
+    )
+    _add_catalog_flags(p)
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser(
+        "plan",
+        help="show the budget arithmetic for loading one model",
+        description="Show step by step how elbowroom sizes MODEL: the budget, the weights, "
+        "the KV cache, the overhead, whether it fits and the largest context that does. "
+        "Exits 1 when it cannot fit.",
+    )
+    p.add_argument("model_id", metavar="MODEL", help="a model id from `elbowroom ls`")
+    _add_catalog_flags(p)
+    p.add_argument("--ctx", type=int, default=None, help="LLM context (default: auto-sized)")
+    p.set_defaults(func=cmd_plan)
+
+
+def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
+    paths = tuple(args.model) if args.model else None
+    return settings_from(
+        args,
+        models_dir=args.models_dir,
+        model_paths=paths,
+        kv_type=args.kv_type,
+        slots=args.slots,
+        **extra,
+    )
+
+
+class _Context:
+    """What both commands read from the world: catalog, snapshot, limit, measurements."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.catalog: Catalog = discover(settings)
+        self.snapshot: Snapshot = default_probe(settings)()
+        self.limit: Limit = memory_limit(self.snapshot, 0, BudgetConfig.from_settings(settings))
+        self.measured = MeasuredStore(settings.measurements_path)
+
+    def size(self, spec: ModelSpec, n_ctx: int | None) -> tuple[int, str]:
+        """The context to predict at, and where it came from."""
+        s = self.settings
+        if spec.gguf is None:
+            return 0, "none"
+        if n_ctx is not None:
+            return n_ctx, "--ctx"
+        if s.ctx is not None:
+            return s.ctx, "ctx setting"
+        auto = auto_context(
+            spec, self.limit.value, s.max_ctx, s.min_ctx, s.slots, s.kv_type, self.measured
+        )
+        if auto > 0:
+            return auto, "auto"
+        return min(
+            s.min_ctx, context_cap(spec, s.max_ctx) or s.min_ctx
+        ), "min_ctx (auto: none fits)"
+
+    def footprint(self, spec: ModelSpec, n_ctx: int) -> Footprint:
+        s = self.settings
+        return footprint(spec, n_ctx, s.slots, s.kv_type, self.measured)
+
+
+def _footprint_dict(fp: Footprint) -> dict[str, Any]:
+    return {**asdict(fp), "total": fp.total}
+
+
+# ------------------------------------------------------------------------------- ls
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    try:
+        ctx = _Context(_settings(args))
+    except (ElbowroomError, OSError) as exc:
+        return _fail(exc)
+    rows, items = [], []
+    for spec in ctx.catalog.list():
+        n_ctx, how = ctx.size(spec, None)
+        fp = ctx.footprint(spec, n_ctx)
+        fit = fits(fp.total, 0, ctx.limit)
+        rows.append(
+            [
+                spec.id,
+                spec.kind.value,
+                spec.engine,
+                fs(spec.size_bytes),
+                n_ctx or "-",
+                fs(fp.total) + (" (measured)" if fp.measured else ""),
+                "yes" if fit.ok else "no",
+                spec.source,
+            ]
+        )
+        items.append(
+            {
+                "id": spec.id,
+                "kind": spec.kind.value,
+                "engine": spec.engine,
+                "holding": spec.holding.value,
+                "path": str(spec.path),
+                "size_bytes": spec.size_bytes,
+                "source": spec.source,
+                "description": spec.description,
+                "n_ctx": n_ctx,
+                "n_ctx_source": how,
+                "footprint": _footprint_dict(fp),
+                "fits": fit.ok,
+                "shortfall": fit.shortfall,
+            }
+        )
+    problems = [{"path": str(p.path), "reason": p.reason} for p in ctx.catalog.problems]
+    pending = unprepared(ctx.settings)
+    if args.json:
+        print_json(
+            {
+                "limit": limit_to_dict(ctx.limit),
+                "models": items,
+                "problems": problems,
+                "unprepared": pending,
+            }
+        )
+        return 0
+    headers = ["ID", "KIND", "ENGINE", "SIZE", "CTX", "FOOTPRINT", "FITS", "SOURCE"]
+    print(table(headers, rows) if rows else "no models found")
+    print(
+        f"\nbudget: {fs(ctx.limit.value)} ({ctx.limit.winner}); footprint = anonymous + "
+        "file-backed, predicted unless marked measured; `elbowroom plan ID` shows the arithmetic"
+    )
+    for problem in problems:
+        print(f"skipped {problem['path']}: {problem['reason']}")
+    for model_id in pending:
+        print(f"{model_id} is not prepared yet: python -m elbowroom.models.bundled --prepare")
+    return 0
+
+
+# ------------------------------------------------------------------------------- plan
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    try:
+        settings = _settings(args, ctx=args.ctx)
+        ctx = _Context(settings)
+    except (ElbowroomError, OSError) as exc:
+        return _fail(exc)
+    if args.model_id not in ctx.catalog:
+        known = ", ".join(m.id for m in ctx.catalog.list()) or "none"
+        print(f"elbowroom: no model {args.model_id!r} (known: {known})", file=sys.stderr)
+        return 1
+    spec = ctx.catalog.get(args.model_id)
+    s = ctx.settings
+    n_ctx, how = ctx.size(spec, args.ctx)
+    fp = ctx.footprint(spec, n_ctx)
+    fit = fits(fp.total, 0, ctx.limit)
+    largest = (
+        max_context(spec, ctx.limit.value, s.slots, s.kv_type, None, ctx.measured)
+        if spec.gguf
+        else 0
+    )
+    tips = _suggestions(ctx, spec, fit, n_ctx, largest)
+    if args.json:
+        print_json(_plan_dict(ctx, spec, n_ctx, how, fp, fit, largest, tips))
+    else:
+        print(_plan_text(ctx, spec, n_ctx, how, fp, fit, largest, tips))
+    if not fit.ok:
+        print(f"elbowroom: {spec.id} does not fit: {fit.reason}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _suggestions(ctx: _Context, spec: ModelSpec, fit: Fit, n_ctx: int, largest: int) -> list[str]:
+    if fit.ok:
+        return []
+    s = ctx.settings
+    tips = []
+    if spec.gguf is not None:
+        if largest >= min(s.min_ctx, n_ctx) and largest > 0:
+            tips.append(f"use --ctx {largest} (the largest context that fits)")
+        for kv in KV_TYPES[KV_TYPES.index(s.kv_type) + 1 :]:
+            if footprint(spec, n_ctx, s.slots, kv).total <= ctx.limit.value:
+                tips.append(f"use --kv-type {kv} (fits at n_ctx {n_ctx})")
+                break
+    tips.append(
+        f"free {fs(fit.shortfall)} of memory or raise the limit (the winning candidate is "
+        f"{ctx.limit.winner}; `elbowroom memory` shows all of them)"
+    )
+    return tips
+
+
+def _plan_dict(
+    ctx: _Context,
+    spec: ModelSpec,
+    n_ctx: int,
+    how: str,
+    fp: Footprint,
+    fit: Fit,
+    largest: int,
+    tips: list[str],
+) -> dict[str, Any]:
+    snap, s = ctx.snapshot, ctx.settings
+    return {
+        "model": {
+            "id": spec.id,
+            "kind": spec.kind.value,
+            "engine": spec.engine,
+            "path": str(spec.path),
+            "size_bytes": spec.size_bytes,
+            "gguf": {
+                k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(spec.gguf).items()
+            }
+            if spec.gguf
+            else None,
+        },
+        "memory": {
+            "total": snap.total,
+            "available": snap.available,
+            "host_total": snap.host_total,
+            "cgroup_limit": snap.cgroup_limit,
+            "override": snap.override,
+        },
+        "limit": limit_to_dict(ctx.limit),
+        "context": {
+            "n_ctx": n_ctx,
+            "source": how,
+            "trained": spec.gguf.trained_ctx if spec.gguf else None,
+            "max_ctx": s.max_ctx,
+            "min_ctx": s.min_ctx,
+            "largest_fitting": largest if spec.gguf else None,
+        },
+        "footprint": _footprint_dict(fp),
+        "fit": asdict(fit),
+        "suggestions": tips,
+    }
+
+
+def _plan_text(
+    ctx: _Context,
+    spec: ModelSpec,
+    n_ctx: int,
+    how: str,
+    fp: Footprint,
+    fit: Fit,
+    largest: int,
+    tips: list[str],
+) -> str:
+    snap, s, limit = ctx.snapshot, ctx.settings, ctx.limit
+    lines = [f"plan for {spec.id}: {spec.description or spec.path}", ""]
+    memory = f"1. memory total {fs(snap.total)}"
+    if snap.total != snap.host_total:
+        memory += f" (host {fs(snap.host_total)}; smaller of cgroup limit and override)"
+    lines += [memory + f", available now {fs(snap.available)}", "", "2. limit candidates:"]
+    rows = [
+        ["*" if c.name == limit.winner else "", c.name, fs(c.value), c.why]
+        for c in limit.candidates
+    ]
+    lines += ["   " + line for line in table(["", "candidate", "value", "why"], rows).splitlines()]
+    lines += [f"   limit = {fs(limit.value)} ({limit.winner}); nothing committed (no server)", ""]
+    src = " (measured)" if fp.measured else ""
+    if spec.gguf is not None:
+        g = spec.gguf
+        runtime_file = fp.file_backed - fp.weights
+        heads = f"{g.n_kv_heads} KV heads × ({g.head_dim_k} + {g.head_dim_v}) dims"
+        lines += [
+            f"3. weights (GGUF, mmap'd, file-backed): {fs(fp.weights)}"
+            f" + runtime libraries {fs(runtime_file)} = {fs(fp.file_backed)}{src}",
+            f"4. context: {n_ctx} tokens ({how}; trained {g.trained_ctx}, max_ctx {s.max_ctx},"
+            f" min_ctx {s.min_ctx}; {s.slots} slot(s) share it)",
+            f"5. KV cache ({s.kv_type}): {g.n_layers} layers × {heads} ="
+            f" {fs(fp.kv_bytes_per_token)}/token × {n_ctx} = {fs(fp.kv_bytes)}",
+            f"6. overhead (runtime, vocabulary, compute, logits): {fs(fp.overhead)}{src}",
+            f"   anonymous = KV + overhead = {fs(fp.anonymous)}{src}",
+        ]
+    else:
+        lines += [
+            f"3. weights on disk: {fs(fp.weights)} (loaded into anonymous memory)",
+            "4. context: none (not an LLM)",
+            "5. KV cache: none",
+            f"6. runtime and working memory: {fs(fp.overhead)}; anonymous = {fs(fp.anonymous)};"
+            f" libraries (file-backed) {fs(fp.file_backed)}{src}",
+        ]
+    lines += [
+        f"7. predicted total = anonymous {fs(fp.anonymous)} + file-backed {fs(fp.file_backed)}"
+        f" = {fs(fp.total)}{src}",
+        f"8. {fit.reason}" if fit.ok else f"8. DOES NOT FIT: {fit.reason}",
+    ]
+    if spec.gguf is not None:
+        lines.append(
+            f"   largest context that fits: {largest}"
+            + (f" (auto-sizing stops at max_ctx {s.max_ctx})" if largest > s.max_ctx else "")
+            if largest
+            else "   largest context that fits: none"
+        )
+    lines += [f"   try: {tip}" for tip in tips]
+    return "\n".join(lines)
+
+
+def _fail(exc: ElbowroomError | OSError) -> int:
+    message = exc.message if isinstance(exc, ElbowroomError) else str(exc)
+    print(f"elbowroom: {message}", file=sys.stderr)
+    return 1
