@@ -132,6 +132,23 @@ def test_a_measurement_wins() -> None:
     assert fp.overhead == 300 * MiB - fp.kv_bytes
 
 
+def test_resident_measurement_below_the_calibrated_prediction_is_a_floor() -> None:
+    # Taken right after load, before the engine's working memory exists.
+    spec = resident("whisper", 78 * MiB)
+    predicted = est.footprint(spec, 0)
+    low = est.footprint(spec, 0, measured=ProcessMemory(90 * MiB, 40 * MiB))
+    assert low.measured and (low.anonymous, low.file_backed) == (
+        predicted.anonymous,
+        predicted.file_backed,
+    )
+    high = est.footprint(spec, 0, measured=ProcessMemory(400 * MiB, 80 * MiB))
+    assert (high.anonymous, high.file_backed) == (400 * MiB, 80 * MiB)
+    assert high.overhead == 400 * MiB - 78 * MiB
+    # An uncalibrated engine's guess is no floor: the measurement wins outright.
+    guess = est.footprint(resident("brand-new", 78 * MiB), 0, measured=ProcessMemory(MiB, MiB))
+    assert (guess.anonymous, guess.file_backed) == (MiB, MiB)
+
+
 def test_negative_context_or_zero_slots_rejected() -> None:
     with pytest.raises(BadRequest):
         est.footprint(llm(), -1)
