@@ -107,18 +107,18 @@ class _Collector:
         part.name = params.get(b"name", b"").decode("utf-8", "replace")
         raw_filename = params.get(b"filename")
         part.filename = raw_filename.decode("utf-8", "replace") if raw_filename else None
-        if part.name == self.file_field and part.filename is not None:
+        if part.name == self.file_field:  # with or without a filename (curl -F file=<x)
             if self._sink is not None:
                 raise BadRequest(f"send one {self.file_field!r} part, not several")
             fd, name = tempfile.mkstemp(
-                prefix="elbowroom-upload-", suffix=_suffix(part.filename), dir=self.directory
+                prefix="elbowroom-upload-", suffix=_suffix(part.filename or ""), dir=self.directory
             )
             self.path = Path(name)
             self._sink = os.fdopen(fd, "wb")
 
     def _on_part_data(self, data: bytes, start: int, end: int) -> None:
         part = self._part
-        if part.name == self.file_field and part.filename is not None and self._sink:
+        if part.name == self.file_field and self._sink:
             self._size += end - start
             if self._size > self.max_file:
                 raise _too_large(self.max_file)
@@ -133,12 +133,12 @@ class _Collector:
 
     def _on_part_end(self) -> None:
         part = self._part
-        if part.name == self.file_field and part.filename is not None and self._sink:
+        if part.name == self.file_field and self._sink:
             self._sink.close()
             assert self.path is not None
             self.file = UploadedFile(
                 self.path,
-                part.filename,
+                part.filename or "",
                 part.headers.get("content-type", "application/octet-stream"),
                 self._size,
             )

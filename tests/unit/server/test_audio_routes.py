@@ -347,3 +347,18 @@ def test_aliases_fall_back_and_real_ids_win() -> None:
     assert resolve_model(own, None, ModelKind.ASR, TRANSCRIPTION_ALIASES, "x").id == ("whisper-1")
     with pytest.raises(ModelNotFound):
         resolve_model(Catalog(), "whisper-1", ModelKind.ASR, TRANSCRIPTION_ALIASES, "x")
+
+
+def test_a_file_part_without_a_filename_is_still_the_file() -> None:
+    data = (
+        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="file"\r\n\r\n'.encode()
+        + b"x" * 30_000
+        + f"\r\n--{BOUNDARY}--\r\n".encode()
+    )
+
+    async def main() -> int:
+        async with receive_form(request(Body(data), len(data)), max_file=50_000) as form:
+            assert form.file is not None and form.file.filename == ""
+            return form.file.size
+
+    assert anyio.run(main) == 30_000
