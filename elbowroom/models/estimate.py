@@ -19,7 +19,8 @@ Every constant below was measured on the bundled models with /proc/PID/smaps_rol
 (benchmarks/estimate_accuracy.py reproduces the measurements and records the error).
 The state after one short request is what is predicted: a long prompt's prefill touches
 more of llama.cpp's compute buffer (up to ~50 MB more on the bundled models, less with flash
-attention) and onnxruntime's arena grows with batch size. docs/models.md has the details.
+attention), and a large embedding batch holds its activations while it runs.
+docs/models.md has the details.
 """
 
 from __future__ import annotations

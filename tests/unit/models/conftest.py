@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from elbowroom.config import Settings
-from elbowroom.models.bundled import package_dir, prepare
+from elbowroom.config import Settings, load_settings
+from elbowroom.models.bundled import bundled_specs, package_dir, prepare
+from elbowroom.models.bundled import gemma_path as gemma_file
 
 
 @pytest.fixture(scope="session")
@@ -28,9 +29,14 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Settings, list[s
 
 
 @pytest.fixture(scope="session")
-def gemma_path(prepared: tuple[Settings, list[str]]) -> Path:
-    settings, _ = prepared
-    return settings.data_dir / "bundled" / "gemma-3-270m-q4_k_m.gguf"
+def gemma_path(request: pytest.FixtureRequest) -> Path:
+    """The assembled gemma3-270m: setup's copy in the default data dir when there is one,
+    else the session's own ``prepared`` one."""
+    default = load_settings(environ={})
+    if any(spec.id == "gemma3-270m" for spec in bundled_specs(default)):
+        return gemma_file(default)
+    settings, _ = request.getfixturevalue("prepared")
+    return gemma_file(settings)
 
 
 @pytest.fixture
