@@ -49,6 +49,8 @@ def entry_id(tokens: Sequence[int], seed: bytes) -> str:
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix, by binary search over C-speed slice compares."""
+    if type(a) is not type(b):  # a list slice never equals a tuple slice
+        a, b = tuple(a), tuple(b)
     lo, hi = 0, min(len(a), len(b))
     if a[:hi] == b[:hi]:
         return hi

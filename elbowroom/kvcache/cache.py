@@ -105,11 +105,15 @@ class PrefixCache:
         disk_max: int = 4 * 1024**3,
         cost: CostModel | None = None,
         clock: Clock = time.perf_counter,
+        window: int = 0,
     ) -> None:
         if block_tokens < 1:
             raise ValueError(f"kv_block_tokens must be >= 1, not {block_tokens}")
         self.key = key
         self.block_tokens = block_tokens
+        # Sliding-window attention (e.g. gemma3): a state longer than the window holds only
+        # the window's last positions for those layers, so it can be extended but not trimmed.
+        self.window = window
         self._seed = seed_hash(key.text())
         self._ram = RamTier(ram_budget)
         self._disk = (
@@ -146,6 +150,8 @@ class PrefixCache:
                 if matched < depth * self.block_tokens:
                     continue  # a hash collision: tokens decide
                 usable = min(matched, len(prompt) - 1)
+                if self.window and len(meta.tokens) > self.window and usable < len(meta.tokens):
+                    continue  # would need a trim the sliding window no longer allows
                 rank = (usable, meta.tier is Tier.RAM, eid)
                 if best is None or rank > best:
                     best = rank
@@ -318,6 +324,8 @@ class PrefixCache:
                 "spilled": self._n.spilled,
                 "dropped": self._n.dropped,
                 "block_tokens": self.block_tokens,
+                # The same hits keyed by tier, the shape /metrics reads.
+                "hits": {"ram": self._n.hits_ram, "disk": self._n.hits_disk},
                 **self._cost.snapshot(),
             }
 

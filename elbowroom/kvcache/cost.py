@@ -23,6 +23,8 @@ PRIOR_RESTORE_BPS: dict[Tier, float] = {Tier.RAM: 2e9, Tier.DISK: 300e6}
 PRIOR_PREFILL_TPS = 500.0
 ALPHA = 0.3  # weight of a new sample
 _MIN_SECONDS = 1e-4  # shorter samples are timer noise
+# A prefill of a handful of tokens measures per-call overhead, not prefill speed.
+MIN_PREFILL_SAMPLE = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +64,7 @@ class CostModel:
             self._bps[tier] = _ewma(self._bps[tier], nbytes / seconds)
 
     def observe_prefill(self, n_tokens: int, seconds: float) -> None:
-        if n_tokens > 0 and seconds >= _MIN_SECONDS:
+        if n_tokens >= MIN_PREFILL_SAMPLE and seconds >= _MIN_SECONDS:
             self._tps = _ewma(self._tps, n_tokens / seconds)
 
     def snapshot(self) -> dict[str, float]:

@@ -77,3 +77,7 @@ def test_index_remove_forgets_and_cleans_up() -> None:
     assert idx.deepest(hashes) == (1, frozenset({"b"}))
     idx.remove("b", hashes[:1])
     assert len(idx) == 0
+
+
+def test_common_prefix_of_a_list_and_a_tuple() -> None:
+    assert common_prefix([1, 2, 3], (1, 2, 4)) == 2

@@ -204,3 +204,16 @@ def test_budget_for_pressure_levels() -> None:
     assert budget_for_level(0, 1000) == 1000
     assert budget_for_level(1, 1000) == 250
     assert budget_for_level(2, 1000) == 0
+
+
+def test_sliding_window_states_longer_than_the_window_are_only_extended() -> None:
+    c = cache(window=50)
+    toks = list(range(100))
+    c.store(toks, state_of(toks))
+    assert c.lookup(toks) is None  # an exact repeat would trim one token: not possible
+    assert c.lookup([*range(60), 5]) is None  # nor a shorter prefix
+    hit = c.lookup([*toks, 7, 8])  # extending the whole state is fine
+    assert hit is not None and hit.n_tokens == 100
+    short = cache(window=200)
+    short.store(toks, state_of(toks))
+    assert short.lookup([*range(60), 5]) is not None  # within the window: trims freely

@@ -28,4 +28,5 @@ def test_noise_samples_are_ignored() -> None:
     cost = CostModel({Tier.RAM: 1e9, Tier.DISK: 1e8}, prefill_tps=100.0)
     cost.observe_restore(Tier.RAM, 1000, 0.0)
     cost.observe_prefill(0, 1.0)
+    cost.observe_prefill(3, 1.0)  # a few tokens time the call overhead, not the prefill
     assert cost.restore_bps(Tier.RAM) == 1e9 and cost.prefill_tps == 100.0
