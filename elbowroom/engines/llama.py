@@ -15,11 +15,13 @@ from __future__ import annotations
 import codecs
 import ctypes
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from elbowroom.engines.base import Cancelled, Emit
+from elbowroom.engines.llama_kv import LlamaKV
 from elbowroom.engines.stops import StopScanner
 from elbowroom.errors import (
     BadRequest,
@@ -63,6 +65,7 @@ class LlamaEngine:
         self._max_tokens_cap: int | None = None
         self._seed = RANDOM_SEED
         self._pressure: Callable[[], int] = lambda: 0
+        self._kv: LlamaKV | None = None  # the KV prefix cache (kvcache/), when enabled
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -113,6 +116,16 @@ class LlamaEngine:
         self._n_ctx = llm.n_ctx()
         self._n_swa = int(lib.llama_model_n_swa(llm.model))
         self._formatter = _template_formatter(llm)
+        self._kv = LlamaKV.from_options(
+            spec,
+            options,
+            llm,
+            kv_type=kv_type,
+            flash_attn=bool(options.get("flash_attn", kv_type != "f16")),
+            n_swa=self._n_swa,
+            trim=self._trim_context,
+            pressure=self._pressure,
+        )
         return {
             "n_ctx": self._n_ctx,
             "n_ctx_train": int(llm._model.n_ctx_train()),
@@ -121,9 +134,12 @@ class LlamaEngine:
         }
 
     def stats(self) -> dict[str, Any]:
-        return {}
+        return {"kv_cache": self._kv.stats()} if self._kv is not None else {}
 
     def close(self) -> None:
+        if self._kv is not None:
+            self._kv.close()  # flushes the RAM tier to disk
+            self._kv = None
         if self._llm is not None:
             self._llm.close()
             self._llm = None
@@ -152,10 +168,13 @@ class LlamaEngine:
         """The one generation loop: prefix reuse, prefill, sample, stream, finish."""
         llm = self._llm
         n_cached = self._prepare_prefix(tokens)
+        prefill_started = time.perf_counter()
         for start in range(n_cached, len(tokens), llm.n_batch):
             if cancelled():
                 return self._finish(emit, StopScanner(()), [], tokens, n_cached, "cancelled")
             llm.eval(tokens[start : start + llm.n_batch])
+        if self._kv is not None:  # the measured prefill speed decides restore vs recompute
+            self._kv.observe_prefill(len(tokens) - n_cached, time.perf_counter() - prefill_started)
 
         sampler = self._sampler(sampling)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -230,13 +249,18 @@ class LlamaEngine:
         n = 0
         while n < limit and held[n] == tokens[n]:
             n += 1
+        if self._kv is not None:  # a cached state may hold a longer prefix than the context
+            n = self._kv.prepare(tokens, n)
         if n > 0 and self._trim_context(n):
             return n
         self._trim_context(0)
         return 0
 
     def _on_finished(self, tokens: list[int]) -> None:
-        """Called after every request with the tokens the context now holds (no-op here)."""
+        """Called after every request with the tokens the context now holds: their state
+        becomes a KV prefix cache entry."""
+        if self._kv is not None:
+            self._kv.finished(tokens)
 
     def _trim_context(self, n: int) -> bool:
         """Drop context positions >= n. False when the KV memory cannot keep that prefix
