@@ -42,13 +42,14 @@ class SchedulerTarget:
         return out
 
     def inflight(self) -> list[InFlight]:
-        sizes = {m.id: m.bytes for m in self._scheduler.state().models}
+        """Requests running now; ``bytes`` is left 0 for the guard to fill from models()
+        (one measurement of the runners per sample, not two)."""
         return [
             InFlight(
                 request_id=r.request_id,
                 model=r.model,
                 started_at=r.started_at,
-                bytes=sizes.get(r.model, 0),
+                bytes=0,
                 abortable=r.kind is ModelKind.LLM,
             )
             for r in self._scheduler.inflight()

@@ -200,8 +200,8 @@ class PressureGuard:
         if not self.enabled:
             return []
         reading = reading_of(sample, self._freeing(sample))
-        inflight = self._inflight()
         models = self._target.models()
+        inflight = self._inflight({m.id: m.bytes for m in models})
         actions = plan(
             sample.level,
             self._prev,
@@ -217,13 +217,22 @@ class PressureGuard:
             self._apply(action, sample, reading)
         return actions
 
-    def _inflight(self) -> list[InFlight]:
+    def _inflight(self, sizes: dict[str, int]) -> list[InFlight]:
+        """In-flight requests with their runner's bytes (``sizes``, when the target left them
+        0) and whether the guard is aborting them; forgets aborts that have landed."""
         current = self._target.inflight()
         live = {i.request_id for i in current}
         for rid in [r for r in self._aborting if r not in live]:
             log.info("pressure guard: aborted generation %s has ended", rid)
             del self._aborting[rid]
-        return [replace(i, aborting=True) if i.request_id in self._aborting else i for i in current]
+        return [
+            replace(
+                i,
+                bytes=i.bytes or sizes.get(i.model, 0),
+                aborting=i.request_id in self._aborting,
+            )
+            for i in current
+        ]
 
     def _freeing(self, sample: Sample) -> int:
         """Bytes of our unloads that ``sample`` still counts. A sample is handed over after it

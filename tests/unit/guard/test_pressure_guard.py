@@ -131,10 +131,9 @@ async def test_hard_closes_admission_until_back_under_soft() -> None:
 
 async def test_one_abort_at_a_time_newest_then_largest() -> None:
     target = Recorder(loaded=[llm("small", 100, 1.0, busy=1), llm("big", 400, 1.0, busy=1)])
-    target.running = [
-        InFlight("r-big", "big", 1.0, 400 * MiB),
-        InFlight("r-small", "small", 2.0, 100 * MiB),
-    ]
+    # bytes 0: the guard fills each request's bytes from its model's (the scheduler adapter
+    # measures the runners once per sample, for models())
+    target.running = [InFlight("r-big", "big", 1.0, 0), InFlight("r-small", "small", 2.0, 0)]
     guard = PressureGuard(target)
     await guard.apply(sample(990, Pressure.HARD, at=1))
     assert guard.aborting() == {"r-small": "small"}
