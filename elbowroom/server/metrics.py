@@ -117,7 +117,7 @@ class ScrapeState:
     counters: dict[str, int] = field(default_factory=dict)  # Scheduler.counters
     level: int | None = None  # the level the guard (or monitor) last saw
     guard: dict[str, Any] | None = None  # PressureGuard.state()
-    kv: dict[str, dict[str, int]] = field(default_factory=dict)  # model -> tier -> hits
+    kv: dict[str, dict[str, Any]] = field(default_factory=dict)  # model -> engine kv stats
 
 
 _LEVELS = {"normal": 0, "soft": 1, "hard": 2}
@@ -133,15 +133,35 @@ class StateCollector(Collector):
         yield from self._scheduler()
         yield from self._guard()
         if self._s.kv:
-            hits = CounterMetricFamily(
-                "elbowroom_kv_cache_hits",
-                "KV prefix cache hits, by model and tier (ram, disk)",
-                labels=["model", "tier"],
-            )
-            for model, tiers in sorted(self._s.kv.items()):
-                for tier, n in sorted(tiers.items()):
-                    hits.add_metric([model, tier], n)
-            yield hits
+            yield from self._kv()
+
+    def _kv(self) -> Iterable[Metric]:
+        hits = CounterMetricFamily(
+            "elbowroom_kv_cache_hits",
+            "KV prefix cache hits, by model and tier (ram, disk)",
+            labels=["model", "tier"],
+        )
+        misses = CounterMetricFamily(
+            "elbowroom_kv_cache_misses", "KV prefix cache lookups with no hit", labels=["model"]
+        )
+        size = GaugeMetricFamily(
+            "elbowroom_kv_cache_bytes",
+            "Bytes the KV prefix cache holds, by model and tier (the RAM tier shrinks under "
+            "pressure)",
+            labels=["model", "tier"],
+        )
+        for model, stats in sorted(self._s.kv.items()):
+            for tier, n in sorted(kv_hits(stats).items()):
+                hits.add_metric([model, tier], n)
+            if isinstance(stats.get("misses"), int):
+                misses.add_metric([model], stats["misses"])
+            for tier in ("ram", "disk"):
+                value = stats.get(f"bytes_{tier}")
+                if isinstance(value, int):
+                    size.add_metric([model, tier], value)
+        yield hits
+        yield misses
+        yield size
 
     def _memory(self) -> Iterable[Metric]:
         rep = self._s.report
@@ -263,10 +283,15 @@ def _get(d: Mapping[str, Any], *keys: str) -> Any:
     return d
 
 
-def kv_hits(stats: Mapping[str, Any]) -> dict[str, int]:
-    """Hits per tier from an engine's stats: ``{"kv_cache": {"hits": {"ram": n, ...}}}``."""
+def kv_stats(stats: Mapping[str, Any]) -> dict[str, Any]:
+    """The KV cache part of an engine's stats (``{"kv_cache": {...}}``), or {}."""
     kv = stats.get("kv_cache")
-    hits = kv.get("hits") if isinstance(kv, Mapping) else None
+    return dict(kv) if isinstance(kv, Mapping) else {}
+
+
+def kv_hits(kv: Mapping[str, Any]) -> dict[str, int]:
+    """Hits per tier from the KV cache stats: ``{"hits": {"ram": n, "disk": n}}``."""
+    hits = kv.get("hits")
     if not isinstance(hits, Mapping):
         return {}
     return {str(t): int(n) for t, n in hits.items() if isinstance(n, int)}
@@ -299,9 +324,9 @@ async def gather(services: Any) -> ScrapeState:
         named = [m for m, r in runners if r is not None]
         for model, result in zip(named, results, strict=True):
             if isinstance(result, Mapping):
-                hits = kv_hits(result)
-                if hits:
-                    state.kv[model] = hits
+                kv = kv_stats(result)
+                if kv:
+                    state.kv[model] = kv
     return state
 
 

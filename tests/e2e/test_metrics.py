@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from serverproc import ServerFactory, ServerProcess, wait_for
 
-from elbowroom.server.metrics import kv_hits, model_from_body
+from elbowroom.server.metrics import kv_hits, kv_stats, model_from_body
 
 MODEL = "smollm2-135m"
 HI = [{"role": "user", "content": "Say hello."}]
@@ -35,8 +35,9 @@ def test_model_label_from_json_and_multipart_bodies() -> None:
 
 
 def test_kv_hits_reads_the_engine_stats_shape() -> None:
-    assert kv_hits({"kv_cache": {"hits": {"ram": 3, "disk": 1}}}) == {"ram": 3, "disk": 1}
-    assert kv_hits({}) == {} and kv_hits({"kv_cache": {"hits": None}}) == {}
+    kv = kv_stats({"kv_cache": {"hits": {"ram": 3, "disk": 1}, "misses": 2}})
+    assert kv_hits(kv) == {"ram": 3, "disk": 1}
+    assert kv_stats({}) == {} and kv_hits({"hits": None}) == {}
 
 
 # --- a real server ----------------------------------------------------------------------
@@ -95,6 +96,9 @@ def test_memory_gauges_describe_the_machine_and_the_runner(server: ServerProcess
     assert anon > 10 * 1024**2 and mapped > 10 * 1024**2  # llama.cpp KV + mmap'd weights
     assert value(m, "elbowroom_model_loads", "elbowroom_model_loads_total") >= 1
     assert value(m, "elbowroom_guard_enabled", "elbowroom_guard_enabled") == 1
+    # the llama engine's KV prefix cache reports its tiers
+    kv = m.get("elbowroom_kv_cache_hits", {})
+    assert ("elbowroom_kv_cache_hits_total", ("model", MODEL), ("tier", "ram")) in kv
     assert value(m, "elbowroom_guard_admission_open", "elbowroom_guard_admission_open") == 1
 
 
