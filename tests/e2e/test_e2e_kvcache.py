@@ -1,0 +1,59 @@
+"""The KV prefix cache through a real `elbowroom serve` and the official openai client:
+``usage.prompt_tokens_details.cached_tokens`` reports a cache hit, and a restarted server
+answers from the disk tier its predecessor wrote on shutdown."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
+from serverproc import ServerFactory, ServerProcess
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m"
+SYSTEM = "You are the assistant of a hardware store. " + " ".join(
+    f"Rule {i}: answer briefly and name the aisle of item {i}." for i in range(12)
+)
+
+
+def ask(server: ServerProcess, messages: list[ChatCompletionMessageParam]) -> ChatCompletion:
+    return server.openai().chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0
+    )
+
+
+QUESTION: list[ChatCompletionMessageParam] = [
+    {"role": "system", "content": SYSTEM},
+    {"role": "user", "content": "Hammers?"},
+]
+OTHER: list[ChatCompletionMessageParam] = [{"role": "user", "content": "One word about the sea."}]
+
+
+def cached(out: ChatCompletion) -> int:
+    assert out.usage is not None and out.usage.prompt_tokens_details is not None
+    n = out.usage.prompt_tokens_details.cached_tokens
+    assert n is not None
+    return n
+
+
+def test_cache_hit_and_disk_tier_after_restart(
+    server_factory: ServerFactory, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    home: Path = tmp_path_factory.mktemp("kvhome")
+    server = server_factory("--ctx", "1024", home=home)
+    first = ask(server, QUESTION)
+    assert first.usage is not None and first.usage.prompt_tokens > 150
+    assert cached(first) < first.usage.prompt_tokens // 2
+    ask(server, OTHER)  # the live context no longer holds the question's prefix
+    again = ask(server, QUESTION)
+    assert cached(again) == first.usage.prompt_tokens - 1  # all but the token that samples
+    assert again.choices[0].message.content == first.choices[0].message.content
+
+    server.stop()  # graceful: the runner writes its RAM tier to disk
+    assert list((home / "cache" / "elbowroom" / "kv").glob("*.kv"))
+    restarted = server_factory("--ctx", "1024", home=home)
+    third = ask(restarted, QUESTION)
+    assert cached(third) == first.usage.prompt_tokens - 1
+    assert third.choices[0].message.content == first.choices[0].message.content
