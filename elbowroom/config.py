@@ -216,3 +216,5 @@ def _validate(s: Settings) -> None:
         raise ConfigError("slots and concurrency must be >= 1, queue_size >= 0")
     if s.ctx is not None and s.ctx < 16:
         raise ConfigError(f"ctx {s.ctx} is too small (minimum 16)")
+    if s.kv_block_tokens < 1:
+        raise ConfigError(f"kv_block_tokens must be >= 1, not {s.kv_block_tokens}")

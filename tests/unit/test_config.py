@@ -48,6 +48,7 @@ def test_env_parses_types(tmp_path: Path) -> None:
         ({"ELBOWROOM_KV_TYPE": "f32"}, "kv_type"),
         ({"ELBOWROOM_MEMORY_GUARD": "maybe"}, "memory_guard"),
         ({"ELBOWROOM_SOFT_FRACTION": "0.99"}, "soft_fraction"),
+        ({"ELBOWROOM_KV_BLOCK_TOKENS": "0"}, "kv_block_tokens"),
     ],
 )
 def test_bad_values_name_the_setting(env: dict[str, str], message: str) -> None:

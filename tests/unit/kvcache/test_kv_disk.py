@@ -152,3 +152,11 @@ def test_disk_full_skips_the_write(tiny_fs: Path, caplog: pytest.LogCaptureFixtu
     assert "disk full" in caplog.text
     assert [p.name for p in tiny_fs.iterdir()] == [f"{PREFIX}-small.kv"]  # temp cleaned up
     assert t.read("small") == bytearray(1000) and "big" not in t
+
+
+def test_unusable_directory_turns_the_tier_off(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"")
+    t = DiskTier(blocker / "kv", 10_000, KEY, PREFIX)  # a file where a folder should be
+    assert not t.enabled and t.scan() == []
+    assert not t.write("e1", TOKENS, b"x" * 10).written
