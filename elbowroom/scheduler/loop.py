@@ -263,7 +263,10 @@ class Scheduler:
         while True:
             await self._drain_stops()
             snap, limit = self._observe()
-            state = self._state(limit.value)
+            # Loads are admitted up to the soft threshold, not the limit: a load that filled
+            # the budget would put the guard straight into a pressure episode (unloads, then
+            # aborts at hard) as soon as caches and contexts grow a little.
+            state = self._state(limit.soft)
             plan = plan_load(spec, self.settings, state, self._estimate, self._measured)
             decision = policy.decide(state, plan.request)
             if isinstance(decision, policy.Admit):
@@ -355,9 +358,9 @@ class Scheduler:
             format_size(refusal.limit),
             format_size(refusal.committed),
         )
-        return InsufficientMemory(
-            refusal.message(), code="insufficient_memory", details=refusal.details()
-        )
+        details = refusal.details()
+        details["memory_limit"] = self._last_limit
+        return InsufficientMemory(refusal.message(), code="insufficient_memory", details=details)
 
     # ------------------------------------------------------------------ unloading
 

@@ -1,6 +1,7 @@
 """Scheduler (loop.py) over a fake machine: loads, eviction, refusals, queues, keep-alive,
 crashes. The runner processes and the model layer are the faked edges; the scheduler is
-real. The fake machine's limit is 800 MiB (see scheduler_fakes.harness)."""
+real. The fake machine's limit is 800 MiB (see scheduler_fakes.harness); loads are admitted
+up to its soft threshold, the load ceiling of 680 MiB (0.85 × 800)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ from elbowroom.errors import (
 from elbowroom.memory.types import Pressure
 from elbowroom.models.spec import ModelKind
 from elbowroom.units import MiB
+
+LIMIT = 800 * MiB
+CEILING = int(LIMIT * 0.85)  # 680 MiB exactly: the soft threshold, where admission stops
 
 A, B, C = spec("a", size_mib=300), spec("b", size_mib=300), spec("c", size_mib=300)
 BIG = spec("big", size_mib=550)
@@ -87,12 +91,13 @@ def test_runner_start_options_carry_the_settings() -> None:
 
 def test_llm_context_is_sized_from_the_budget() -> None:
     async def scenario() -> None:
-        # 800 MiB limit, 300 MiB held by a busy model: 500 MiB budget; 100 MiB weights
-        # leave 400 MiB of f16 KV at 64 KiB/token = 6400 tokens (a multiple of 256).
+        # 680 MiB ceiling, 300 MiB held by a busy model: 380 MiB budget; 100 MiB weights
+        # leave 280 MiB of f16 KV at 64 KiB/token = 4480 tokens, down to a multiple of 256:
+        # 4352 (sized against the 800 MiB limit it would have been 6400).
         h = harness(A, LLM)
         task, gate = await hold_request(h, "a")
         await request(h, "llm")
-        assert h.runner("llm").options["n_ctx"] == 6400  # type: ignore[index]
+        assert h.runner("llm").options["n_ctx"] == 4352  # type: ignore[index]
         gate.set()
         await task
 
@@ -124,7 +129,7 @@ def test_evicts_the_least_recently_used_idle_model() -> None:
         h.clock.now += 10
         await request(h, "a")  # a is now the most recently used
         h.clock.now += 10
-        await request(h, "c")  # 900 > 800: one must go, and it is b
+        await request(h, "c")  # 900 > 680: one must go, and it is b
         assert h.loaded() == ["a", "c"]
         assert h.runner("b").stops == 1
         assert h.sched.counters["evictions_load"] == 1
@@ -135,13 +140,15 @@ def test_evicts_the_least_recently_used_idle_model() -> None:
 def test_evicts_by_bytes_across_models_until_it_fits() -> None:
     async def scenario() -> None:
         h = harness(
-            spec("s1", size_mib=250), spec("s2", size_mib=250), spec("s3", size_mib=200), BIG
+            spec("s1", size_mib=250), spec("s2", size_mib=250), spec("s3", size_mib=100), BIG
         )
-        for model_id in ("s1", "s2", "s3"):  # 700 MiB, s1 least recently used
+        for model_id in ("s1", "s2", "s3"):  # 600 MiB, s1 least recently used
             await request(h, model_id)
             h.clock.now += 1
-        await request(h, "big")  # 550 needs 450 freed: s1 + s2, not s3
+        assert h.sched.counters["evictions_load"] == 0
+        await request(h, "big")  # 550 with 80 free under 680 needs 470: s1 + s2, not s3
         assert h.loaded() == ["big", "s3"]
+        assert h.sched.counters["evictions_load"] == 2
 
     run(scenario())
 
@@ -150,7 +157,7 @@ def test_a_busy_model_is_not_evicted_the_load_waits_for_it() -> None:
     async def scenario() -> None:
         h = harness(A, BIG)
         task, gate = await hold_request(h, "a")
-        load = asyncio.create_task(request(h, "big"))  # 300 + 550 > 800
+        load = asyncio.create_task(request(h, "big"))  # 300 + 550 > 680
         await until(lambda: h.clock.now > 1001)  # the load is polling, a still runs
         assert h.loaded() == ["a"] and h.runner("a").stops == 0
         gate.set()
@@ -206,11 +213,13 @@ def test_507_body_has_the_numbers() -> None:
         assert body["type"] == "insufficient_memory" and body["code"] == "insufficient_memory"
         assert body["model"] == "huge"
         assert body["needed"] == 900 * MiB
-        assert body["limit"] == 800 * MiB
+        assert body["limit"] == CEILING  # what admission is measured against
+        assert body["memory_limit"] == LIMIT
         assert body["committed"] == 300 * MiB
-        assert body["available"] == 500 * MiB
+        assert body["available"] == 380 * MiB  # 680 - 300
         assert body["evictable"] == 300 * MiB
-        assert body["shortfall"] == 100 * MiB
+        assert body["shortfall"] == 220 * MiB  # 900 - 380 - 300
+        assert "680.0 MiB load ceiling" in body["message"]
         assert body["loaded"][0]["id"] == "a"
         assert body["suggestions"][0]["action"] == "free_memory"
         assert "huge" in body["message"]
@@ -220,16 +229,58 @@ def test_507_body_has_the_numbers() -> None:
     run(scenario())
 
 
+M4 = spec("m4", size_mib=400)  # beside A: 700 MiB, under the 800 MiB limit, over 680
+
+
+def test_a_load_over_the_soft_threshold_evicts_even_under_the_limit() -> None:
+    async def scenario() -> None:
+        h = harness(A, M4)
+        await request(h, "a")
+        await request(h, "m4")
+        assert h.loaded() == ["m4"] and h.runner("a").stops == 1
+        assert h.sched.counters["evictions_load"] == 1
+
+    run(scenario())
+
+
+def test_a_load_over_the_soft_threshold_is_507_when_nothing_is_evictable() -> None:
+    async def scenario() -> None:
+        h = harness(A, M4, pin=("a",))
+        await request(h, "a")
+        with pytest.raises(InsufficientMemory) as err:
+            await request(h, "m4")
+        body = err.value.to_openai()["error"]
+        assert body["limit"] == CEILING and body["memory_limit"] == LIMIT
+        assert body["needed"] == 400 * MiB and body["committed"] == 300 * MiB
+        assert body["available"] == 380 * MiB and body["evictable"] == 0
+        assert body["shortfall"] == 20 * MiB
+        assert [s["action"] for s in body["suggestions"]] == ["unload_pinned"]
+        assert h.loaded() == ["a"] and h.runner("a").stops == 0
+
+    run(scenario())
+
+
+def test_soft_fraction_moves_the_load_ceiling() -> None:
+    async def scenario() -> None:
+        h = harness(A, M4, soft_fraction=0.9)  # ceiling 720 MiB: 700 fits beside A
+        await request(h, "a")
+        await request(h, "m4")
+        assert h.loaded() == ["a", "m4"] and h.sched.counters["evictions_load"] == 0
+
+    run(scenario())
+
+
 def test_llm_refusal_suggests_ctx_and_q8_kv() -> None:
     async def scenario() -> None:
-        # ctx 8192 f16: 100 MiB + 512 MiB KV = 612 MiB; a pinned 300 MiB model leaves 500.
+        # ctx 8192 f16: 100 MiB + 512 MiB KV = 612 MiB; a pinned 300 MiB model leaves 380
+        # under the 680 MiB ceiling.
         h = harness(A, LLM, ctx=8192, pin=("a",))
         await request(h, "a")
         with pytest.raises(InsufficientMemory) as err:
             await request(h, "llm")
         by_action = {s["action"]: s["value"] for s in err.value.details["suggestions"]}
-        assert by_action["ctx"] == 6400  # (500 - 100) MiB / 64 KiB
-        assert by_action["kv_type"] == "q8_0"  # 100 + 8192 * 34 KiB = 372 MiB
+        assert by_action["ctx"] == 4352  # (380 - 100) MiB / 64 KiB = 4480, down to 256s
+        assert by_action["kv_type"] == "q8_0"  # 100 + 8192 * 34 KiB = 372 MiB <= 380
         assert by_action["unload_pinned"] == "a"
 
     run(scenario())
@@ -237,10 +288,11 @@ def test_llm_refusal_suggests_ctx_and_q8_kv() -> None:
 
 def test_auto_context_below_min_ctx_is_refused() -> None:
     async def scenario() -> None:
-        h = harness(spec("fat", ModelKind.LLM, size_mib=780), min_ctx=512)
+        # 670 MiB of weights leave 10 MiB under the 680 MiB ceiling: 160 tokens < 512.
+        h = harness(spec("fat", ModelKind.LLM, size_mib=670), min_ctx=512)
         with pytest.raises(InsufficientMemory) as err:
             await request(h, "fat")
-        assert err.value.details["needed"] == 780 * MiB + 512 * 64 * 1024
+        assert err.value.details["needed"] == 670 * MiB + 512 * 64 * 1024
 
     run(scenario())
 
@@ -281,7 +333,8 @@ def test_memory_that_never_shows_up_ends_the_wait_at_the_deadline() -> None:
         with pytest.raises(InsufficientMemory) as err:
             await request(h, "b6")  # the limit shrank to the 450 MiB really available
         assert h.clock.now - before >= 2.0
-        assert err.value.details["limit"] == 450 * MiB
+        assert err.value.details["memory_limit"] == 450 * MiB
+        assert err.value.details["limit"] == int(450 * MiB * 0.85)  # its soft threshold
 
     run(scenario())
 
@@ -500,13 +553,19 @@ def test_unload_now_or_when_idle() -> None:
 
 def test_relieve_pressure_unloads_idle_models_lru_first() -> None:
     async def scenario() -> None:
-        h = harness(spec("s1", size_mib=200), spec("s2", size_mib=200), A)
-        for model_id in ("s1", "s2", "a"):  # 700 MiB; soft threshold 0.85 * 800 = 680
+        # Admitted at 650 MiB predicted (under the 680 MiB soft threshold), but g really
+        # takes 300 MiB: 700 MiB held, 20 MiB over soft; s1 (LRU) alone frees that.
+        h = harness(
+            spec("s1", size_mib=200), spec("s2", size_mib=200), spec("g", size_mib=250),
+            actual={"g": 300},
+        )  # fmt: skip
+        for model_id in ("s1", "s2", "g"):
             await request(h, model_id)
             h.clock.now += 1
+        assert h.loaded() == ["g", "s1", "s2"] and h.sched.counters["evictions_load"] == 0
         assert await h.sched.relieve_pressure(Pressure.NORMAL) == []
         assert await h.sched.relieve_pressure(Pressure.SOFT) == ["s1"]
-        assert h.loaded() == ["a", "s2"]
+        assert h.loaded() == ["g", "s2"]
         assert h.sched.counters["evictions_pressure"] == 1
 
     run(scenario())
@@ -534,7 +593,7 @@ def test_guard_view_state_runner_and_inflight() -> None:
         models = {m.id: m for m in h.sched.state().models}
         assert models["a"].busy == 1 and models["b"].busy == 0
         assert models["a"].bytes == 300 * MiB and not models["a"].loading
-        assert h.sched.state().limit == 800 * MiB
+        assert h.sched.state().limit == LIMIT  # the guard's view: the limit itself
         assert h.sched.runner("a") is h.runner("a") and h.sched.runner("c") is None
         (ticket,) = h.sched.inflight()
         assert ticket.model == "a" and ticket.kind is ModelKind.EMBEDDING
