@@ -94,7 +94,7 @@ class _Context:
         if s.ctx is not None:
             return s.ctx, "ctx setting"
         auto = auto_context(
-            spec, self.limit.value, s.max_ctx, s.min_ctx, s.slots, s.kv_type, self.measured
+            spec, self.limit.ceiling, s.max_ctx, s.min_ctx, s.slots, s.kv_type, self.measured
         )
         if auto > 0:
             return auto, "auto"
@@ -168,7 +168,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     headers = ["ID", "KIND", "ENGINE", "SIZE", "CTX", "FOOTPRINT", "FITS", "SOURCE"]
     print(table(headers, rows) if rows else "no models found")
     print(
-        f"\nbudget: {fs(ctx.limit.value)} ({ctx.limit.winner}); footprint = anonymous + "
+        f"\nbudget: load ceiling {fs(ctx.limit.ceiling)} (soft threshold of the "
+        f"{fs(ctx.limit.value)} limit, {ctx.limit.winner}); footprint = anonymous + "
         "file-backed, predicted unless marked measured; `elbowroom plan ID` shows the arithmetic"
     )
     for problem in problems:
@@ -197,7 +198,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     fp = ctx.footprint(spec, n_ctx)
     fit = fits(fp.total, 0, ctx.limit)
     largest = (
-        max_context(spec, ctx.limit.value, s.slots, s.kv_type, None, ctx.measured)
+        max_context(spec, ctx.limit.ceiling, s.slots, s.kv_type, None, ctx.measured)
         if spec.gguf
         else 0
     )
@@ -221,7 +222,7 @@ def _suggestions(ctx: _Context, spec: ModelSpec, fit: Fit, n_ctx: int, largest: 
         if largest >= min(s.min_ctx, n_ctx) and largest > 0:
             tips.append(f"use --ctx {largest} (the largest context that fits)")
         for kv in KV_TYPES[KV_TYPES.index(s.kv_type) + 1 :]:
-            if footprint(spec, n_ctx, s.slots, kv).total <= ctx.limit.value:
+            if footprint(spec, n_ctx, s.slots, kv).total <= ctx.limit.ceiling:
                 tips.append(f"use --kv-type {kv} (fits at n_ctx {n_ctx})")
                 break
     tips.append(
@@ -298,7 +299,11 @@ def _plan_text(
         for c in limit.candidates
     ]
     lines += ["   " + line for line in table(["", "candidate", "value", "why"], rows).splitlines()]
-    lines += [f"   limit = {fs(limit.value)} ({limit.winner}); nothing committed (no server)", ""]
+    lines += [
+        f"   limit = {fs(limit.value)} ({limit.winner}); loads are admitted up to the soft "
+        f"threshold: load ceiling {fs(limit.ceiling)}; nothing committed (no server)",
+        "",
+    ]
     src = " (measured)" if fp.measured else ""
     if spec.gguf is not None:
         g = spec.gguf

@@ -111,6 +111,12 @@ class Limit:
     soft: int
     hard: int
 
+    @property
+    def ceiling(self) -> int:
+        """The load ceiling: bytes our models may be admitted to hold. It is the soft
+        threshold, so a fresh load never starts a pressure episode by itself."""
+        return self.soft
+
 
 def memory_limit(snap: Snapshot, own_usage: int, cfg: BudgetConfig) -> Limit:
     """The most our runners may hold now: the smallest candidate, with its reason.
@@ -226,24 +232,27 @@ class Fit:
 
 
 def fits(needed: int, committed: int, limit: Limit) -> Fit:
-    """Whether ``needed`` more bytes fit beside ``committed`` (runners + reservations)."""
+    """Whether ``needed`` more bytes fit beside ``committed`` (runners + reservations) under
+    the load ceiling (the limit's soft threshold)."""
     if needed < 0 or committed < 0:
         raise ValueError(f"needed and committed must not be negative: {needed}, {committed}")
     fs = format_size
-    room = max(0, limit.value - committed)
-    over = committed + needed - limit.value
+    ceiling = limit.ceiling
+    room = max(0, ceiling - committed)
+    over = committed + needed - ceiling
     ok = over <= 0
+    where = (
+        f"the {fs(ceiling)} load ceiling (soft threshold of the {fs(limit.value)} limit, "
+        f"{limit.winner})"
+    )
     if ok:
-        reason = (
-            f"{fs(needed)} fits: {fs(room)} of the {fs(limit.value)} limit ({limit.winner}) "
-            f"is free with {fs(committed)} committed"
-        )
+        reason = f"{fs(needed)} fits: {fs(room)} of {where} is free with {fs(committed)} committed"
     else:
         reason = (
-            f"needs {fs(needed)} but only {fs(room)} of the {fs(limit.value)} limit "
-            f"({limit.winner}) is free with {fs(committed)} committed: short by {fs(over)}"
+            f"needs {fs(needed)} but only {fs(room)} of {where} is free with "
+            f"{fs(committed)} committed: short by {fs(over)}"
         )
-    return Fit(ok, needed, committed, limit.value, room, max(0, over), reason)
+    return Fit(ok, needed, committed, ceiling, room, max(0, over), reason)
 
 
 def limit_to_dict(limit: Limit) -> dict[str, object]:

@@ -533,7 +533,8 @@ class Scheduler:
             "pressure_reasons": list(assessment.reasons),
             "own_usage": own,
             "committed": committed,
-            "available": max(0, limit.value - committed),
+            "ceiling": limit.ceiling,
+            "available": max(0, limit.ceiling - committed),
             "reservations": [
                 {"id": rec.spec.id, "bytes": rec.predicted}
                 for rec in self._loaded.values()

@@ -90,9 +90,9 @@ def test_alternating_models_evict_and_never_exceed_the_limit(
 ) -> None:
     small, big = sorted(measured.bytes.values())
     soft = Settings().soft_fraction
-    # One fits with room to spare (the guard's soft threshold stays above the bigger one),
-    # both do not.
-    low, high = int(big / soft) + 16 * MiB, small + big - 16 * MiB
+    # Loads are admitted up to the soft threshold (soft x limit): the bigger one fits under
+    # it with room to spare, both together do not.
+    low, high = int(big / soft) + 16 * MiB, int((small + big) / soft) - 16 * MiB
     if low >= high:
         pytest.skip(f"footprints {measured.bytes} leave no limit that fits one but not both")
     server, limit = limited_server(server_factory, measured.home, (low + high) // 2)
@@ -115,7 +115,8 @@ def test_alternating_models_evict_and_never_exceed_the_limit(
         assert r.status_code == 507, r.text
         err = r.json()["error"]
         assert err["type"] == "insufficient_memory" and err["model"] == GEMMA
-        assert err["limit"] == limit and err["needed"] > err["available"]
+        assert err["memory_limit"] == limit and err["limit"] == int(limit * soft)
+        assert err["needed"] > err["available"]
         assert any(s["action"] == "unload_pinned" for s in err["suggestions"])
         # The server keeps serving the pinned model.
         ok = http.post(
@@ -135,7 +136,8 @@ def test_model_that_cannot_fit_at_all_is_507(
     assert isinstance(err, dict)
     for key in ("model", "needed", "available", "limit", "suggestions", "message"):
         assert key in err, err
-    assert err["model"] == SMOL and err["limit"] == limit and err["needed"] > limit
+    assert err["model"] == SMOL and err["memory_limit"] == limit and err["needed"] > limit
+    assert err["limit"] == int(limit * Settings().soft_fraction)  # the load ceiling
     assert err["suggestions"], err
     assert server.ps() == []
     assert server.http().get("/health").json() == {"status": "ok"}

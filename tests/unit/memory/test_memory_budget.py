@@ -180,26 +180,27 @@ def test_assess_names_every_signal() -> None:
 # ---------------------------------------------------------------- fits
 
 
-def test_fits_and_shortfall_with_numbers_in_the_reason() -> None:
-    limit = memory_limit(snap(16 * GiB, 14 * GiB), 0, CFG)  # 12 GiB, reserve
-    ok = fits(2 * GiB, 10 * GiB, limit)
-    assert ok.ok and ok.shortfall == 0 and ok.available == 2 * GiB
+def test_fits_and_shortfall_against_the_load_ceiling() -> None:
+    limit = memory_limit(snap(16 * GiB, 14 * GiB), 0, CFG)  # 12 GiB (reserve); soft 10.2 GiB
+    assert limit.ceiling == limit.soft == int(12 * GiB * 0.85)
+    ok = fits(2 * GiB, 8 * GiB, limit)
+    assert ok.ok and ok.shortfall == 0 and ok.available == limit.ceiling - 8 * GiB
     assert "fits" in ok.reason
-    bad = fits(3 * GiB, 10 * GiB, limit)
+    # 11 GiB fit under the 12 GiB limit but not under the ceiling.
+    bad = fits(3 * GiB, 8 * GiB, limit)
     assert not bad.ok
-    assert bad.shortfall == 1 * GiB
-    assert bad.available == 2 * GiB
-    assert (bad.needed, bad.committed, bad.limit) == (3 * GiB, 10 * GiB, 12 * GiB)
+    assert bad.shortfall == 11 * GiB - limit.ceiling
+    assert (bad.needed, bad.committed, bad.limit) == (3 * GiB, 8 * GiB, limit.ceiling)
     assert bad.reason == (
-        "needs 3.0 GiB but only 2.0 GiB of the 12.0 GiB limit (reserve) is free "
-        "with 10.0 GiB committed: short by 1.0 GiB"
+        "needs 3.0 GiB but only 2.2 GiB of the 10.2 GiB load ceiling (soft threshold of "
+        "the 12.0 GiB limit, reserve) is free with 8.0 GiB committed: short by 819.2 MiB"
     )
 
 
-def test_fits_when_committed_already_exceeds_the_limit() -> None:
+def test_fits_when_committed_already_exceeds_the_ceiling() -> None:
     limit = memory_limit(snap(16 * GiB, 14 * GiB), 0, CFG)
-    f = fits(0, 13 * GiB, limit)
-    assert not f.ok and f.available == 0 and f.shortfall == 1 * GiB
+    f = fits(0, 11 * GiB, limit)
+    assert not f.ok and f.available == 0 and f.shortfall == 11 * GiB - limit.ceiling
 
 
 def test_fits_rejects_negative_sizes() -> None:

@@ -612,7 +612,8 @@ def test_memory_report_shape() -> None:
         assert report["limit"]["value"] == 800 * MiB
         assert report["limit"]["winner"] == "fraction"
         assert report["thresholds"]["soft"] == int(800 * MiB * 0.85)
-        assert report["committed"] == 300 * MiB and report["available"] == 500 * MiB
+        assert report["committed"] == 300 * MiB and report["ceiling"] == CEILING
+        assert report["available"] == CEILING - 300 * MiB
         assert report["pressure"] == "normal"
         assert report["snapshot"]["total"] == 1000 * MiB
 
