@@ -404,11 +404,22 @@ class Scheduler:
         """Mark ``rec`` STOPPING now (no await: nothing can pick it meanwhile) and stop it
         in a task; idempotent."""
         if rec.stop_task is None:
+            self._remember_use(rec)
             freed = rec.held_bytes()
             rec.phase = Phase.STOPPING
             rec.stop_task = asyncio.create_task(self._stop(rec, reason, freed))
             rec.stop_task.add_done_callback(_retrieve)
         return rec.stop_task
+
+    def _remember_use(self, rec: Loaded) -> None:
+        """Record what the runner holds after serving: resident engines grow well past their
+        just-loaded size on the first request (whisper: ~93 -> ~217 MiB), and the store keeps
+        the larger value, so the next prediction for this model is what it really used."""
+        if self._measured is None or rec.ready is None:
+            return
+        mem = rec.measure()
+        if mem is not None and mem.resident > 0:
+            self._measured.record(rec.spec, rec.n_ctx, rec.slots, rec.kv_type, mem)
 
     async def _stop(self, rec: Loaded, reason: str, freed: int) -> None:
         try:

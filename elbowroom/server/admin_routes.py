@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -20,7 +21,19 @@ class LoadRequest(BaseModel):
 @router.get("/ps")
 async def ps(request: Request) -> dict[str, Any]:
     scheduler = get_services(request).scheduler
-    return {"models": scheduler.ps(), "memory": _summary(scheduler.memory_report())}
+    rows = scheduler.ps()
+    # Engine stats (e.g. the KV prefix cache's entries, bytes and hits per tier) come from
+    # each ready runner; asked concurrently so one slow runner delays the answer only by
+    # its own stats timeout.
+    runners = [scheduler.runner(row["id"]) for row in rows]
+    stats = await asyncio.gather(*(r.stats() if r is not None else _no_stats() for r in runners))
+    for row, engine_stats in zip(rows, stats, strict=True):
+        row["engine_stats"] = engine_stats
+    return {"models": rows, "memory": _summary(scheduler.memory_report())}
+
+
+async def _no_stats() -> dict[str, Any]:
+    return {}
 
 
 @router.post("/models/{model_id:path}/load")

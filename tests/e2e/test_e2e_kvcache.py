@@ -50,6 +50,12 @@ def test_cache_hit_and_disk_tier_after_restart(
     again = ask(server, QUESTION)
     assert cached(again) == first.usage.prompt_tokens - 1  # all but the token that samples
     assert again.choices[0].message.content == first.choices[0].message.content
+    # /api/ps shows the runner's cache: entries and hits per tier.
+    (row,) = [r for r in server.ps() if r["id"] == MODEL]
+    kv = row["engine_stats"]["kv_cache"]
+    # OTHER is shorter than one block, so only the question's conversation is kept.
+    assert kv["entries_ram"] == 1 and kv["hits_ram"] == 1 and kv["restored"] == 1
+    assert kv["bytes_ram"] > 0 and kv["misses"] == 2
 
     server.stop()  # graceful: the runner writes its RAM tier to disk
     assert list((home / "cache" / "elbowroom" / "kv").glob("*.kv"))

@@ -117,6 +117,20 @@ def test_measured_footprint_is_recorded_and_predicts_the_next_load() -> None:
     run(scenario())
 
 
+def test_memory_grown_while_serving_is_recorded_at_unload() -> None:
+    async def scenario() -> None:
+        h = harness(A, actual={"a": 200})
+        await request(h, "a")
+        h.runner("a").nbytes = 260 * MiB  # it grew while serving (resident engines do)
+        await h.sched.unload("a")
+        assert h.measured.records[("a", 0, 1, "f16")].anonymous == 260 * MiB
+        await request(h, "a")
+        (row,) = h.sched.ps()
+        assert row["predicted"] == 260 * MiB  # the next prediction is what it really used
+
+    run(scenario())
+
+
 # --- eviction
 
 

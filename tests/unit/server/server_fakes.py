@@ -65,6 +65,9 @@ class FakeRunner:
     def __init__(self, scheduler: FakeScheduler) -> None:
         self.scheduler = scheduler
 
+    async def stats(self) -> dict[str, Any]:
+        return {"kv_cache": {"entries_ram": 1}}
+
     async def request(self, kind: str, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         s = self.scheduler
         s.requests.append((kind, payload))
@@ -122,6 +125,9 @@ class FakeScheduler:
 
     def ps(self) -> list[dict[str, Any]]:
         return [{"id": m, "pid": 1234, "pinned": p, "bytes": 10} for m, p in self.loaded.items()]
+
+    def runner(self, model_id: str) -> FakeRunner | None:
+        return FakeRunner(self) if model_id in self.loaded else None
 
     def memory_report(self) -> dict[str, Any]:
         return {

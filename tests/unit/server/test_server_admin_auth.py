@@ -25,6 +25,7 @@ def test_load_ps_unload(harness: Harness) -> None:
     assert harness.scheduler.loaded == {"smollm2-135m": True}
     ps = harness.client.get("/api/ps").json()
     assert [m["id"] for m in ps["models"]] == ["smollm2-135m"]
+    assert ps["models"][0]["engine_stats"] == {"kv_cache": {"entries_ram": 1}}  # from the runner
     assert ps["memory"] == {"limit": 1000, "committed": 10, "available": 990, "pressure": "normal"}
     # No body keeps the pin as it is; {"pin": false} unpins.
     assert harness.client.post("/api/models/smollm2-135m/load").json()["pinned"] is True
