@@ -2,8 +2,8 @@
 that are stopped when the module ends.
 
 gemma3-270m ships in chunks that ``prepare`` assembles into the data folder (253 MB). The
-session does that at most once: it links the copy setup made in the default data folder,
-or assembles one into a session folder, and every server's own data folder links to it.
+session does that at most once (``gemma_settings`` in tests/conftest.py), and every server's
+own data folder links to that copy.
 """
 
 from __future__ import annotations
@@ -15,21 +15,15 @@ from typing import Any
 import pytest
 from serverproc import ServerFactory, ServerProcess
 
+from elbowroom.config import Settings
+from elbowroom.models.bundled import gemma_path
+
 
 @pytest.fixture(scope="session")
-def gemma_file(tmp_path_factory: pytest.TempPathFactory) -> Path | None:
-    """The assembled gemma3-270m GGUF, or None when its packages are not installed."""
-    from elbowroom.config import Settings, load_settings
-    from elbowroom.models.bundled import bundled_specs, gemma_path, prepare, unprepared
-
-    default = load_settings(environ={})
-    if any(spec.id == "gemma3-270m" for spec in bundled_specs(default)):
-        return gemma_path(default)  # setup assembled it already
-    if "gemma3-270m" not in unprepared(default):
-        return None
-    settings = Settings(data_dir=tmp_path_factory.mktemp("gemma"))
-    prepare(settings)
-    return gemma_path(settings)
+def gemma_file(gemma_settings: Settings | None) -> Path | None:
+    """The assembled gemma3-270m GGUF (tests/conftest.py), or None when its packages are not
+    installed."""
+    return gemma_path(gemma_settings) if gemma_settings is not None else None
 
 
 def link_gemma(home: Path, gemma: Path | None) -> None:

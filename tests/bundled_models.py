@@ -1,0 +1,56 @@
+"""The bundled models for tests: their specs as ``elbowroom.models.bundled`` builds them.
+
+Import it as ``from bundled_models import bundled_spec`` (pyproject puts tests/ on sys.path).
+One place knows where each package keeps its files, so a test loads exactly what the server
+would; a test that needs a variant (another path, no tokenizer) takes
+``dataclasses.replace`` of the real spec.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from elbowroom.config import Settings, load_settings
+from elbowroom.engines.piper import PiperEngine
+from elbowroom.models.bundled import bundled_specs
+from elbowroom.models.spec import ModelSpec
+
+
+@functools.cache
+def _default_specs() -> dict[str, ModelSpec]:
+    return {spec.id: spec for spec in bundled_specs(load_settings(environ={}))}
+
+
+def bundled_spec(model_id: str, settings: Settings | None = None) -> ModelSpec:
+    """The installed bundled model ``model_id``; ``settings`` only matters for gemma3-270m
+    (its assembled file lives in ``settings.data_dir``; default: the default data dir)."""
+    if settings is None:
+        specs = _default_specs()
+    else:
+        specs = {spec.id: spec for spec in bundled_specs(settings)}
+    if model_id not in specs:
+        raise LookupError(
+            f"the bundled model {model_id} is not installed (or not prepared); "
+            f"installed: {', '.join(specs) or 'none'}"
+        )
+    return specs[model_id]
+
+
+def speak(text: str, *formats: str) -> list[bytes]:
+    """``text`` spoken by the bundled piper voice (real synthesis), once per audio format:
+    speech with a known transcript for the speech-to-text tests. Skips without piper."""
+    pytest.importorskip("piper")
+    voice = PiperEngine()
+    voice.load(bundled_spec("piper-en-us-joe"), {})
+    try:
+        return [
+            voice.run(
+                "speech", {"input": text, "response_format": fmt}, lambda _: None, lambda: False
+            )["audio"]
+            for fmt in formats
+        ]
+    finally:
+        voice.close()
+
