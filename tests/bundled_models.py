@@ -15,7 +15,7 @@ import pytest
 from elbowroom.config import Settings, load_settings
 from elbowroom.engines.piper import PiperEngine
 from elbowroom.models.bundled import bundled_specs
-from elbowroom.models.spec import ModelSpec
+from elbowroom.models.spec import GGUFInfo, ModelSpec
 
 
 @functools.cache
@@ -54,3 +54,20 @@ def speak(text: str, *formats: str) -> list[bytes]:
     finally:
         voice.close()
 
+
+# SmolLM2-135M's GGUF metadata (what read_gguf_info reads from the bundled file, less
+# n_params), written out for the pure footprint tests, which open no file.
+SMOLLM2_INFO = GGUFInfo(
+    architecture="llama",
+    name="smollm2-135m",
+    n_layers=30,
+    n_heads=9,
+    n_kv_heads=3,
+    head_dim_k=64,
+    head_dim_v=64,
+    n_embd=576,
+    trained_ctx=8192,
+    file_type="Q4_1",
+    has_chat_template=True,
+    n_vocab=49152,
+)

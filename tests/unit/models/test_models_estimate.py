@@ -7,6 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from bundled_models import SMOLLM2_INFO
 
 from elbowroom.errors import BadRequest
 from elbowroom.memory.types import ProcessMemory
@@ -14,20 +15,7 @@ from elbowroom.models import estimate as est
 from elbowroom.models.spec import GGUFInfo, Holding, ModelKind, ModelSpec
 from elbowroom.units import MiB
 
-SMOL = GGUFInfo(
-    architecture="llama",
-    name="smol",
-    n_layers=30,
-    n_heads=9,
-    n_kv_heads=3,
-    head_dim_k=64,
-    head_dim_v=64,
-    n_embd=576,
-    trained_ctx=8192,
-    file_type="Q4_1",
-    has_chat_template=True,
-    n_vocab=49152,
-)
+SMOL = SMOLLM2_INFO
 
 
 def llm(info: GGUFInfo = SMOL, size: int = 98_362_432) -> ModelSpec:

@@ -7,27 +7,15 @@ import os
 from pathlib import Path
 
 import pytest
+from bundled_models import SMOLLM2_INFO
 
 from elbowroom.memory.types import ProcessMemory
 from elbowroom.models.estimate import footprint, kv_bytes_per_token, max_context
 from elbowroom.models.measured import MeasuredStore
-from elbowroom.models.spec import GGUFInfo, Holding, ModelKind, ModelSpec
+from elbowroom.models.spec import Holding, ModelKind, ModelSpec
 from elbowroom.units import MiB
 
-INFO = GGUFInfo(
-    architecture="llama",
-    name="m",
-    n_layers=30,
-    n_heads=9,
-    n_kv_heads=3,
-    head_dim_k=64,
-    head_dim_v=64,
-    n_embd=576,
-    trained_ctx=8192,
-    file_type="Q4_1",
-    has_chat_template=True,
-    n_vocab=49152,
-)
+INFO = SMOLLM2_INFO
 MEM = ProcessMemory(anonymous=200 * MiB, file_backed=120 * MiB, swap=1, gpu=2)
 
 
