@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-exec .venv/bin/elbowroom serve "$@"
+# The default model is loaded at start-up so the first request does not wait for it.
+exec .venv/bin/elbowroom serve --preload smollm2-135m "$@"

