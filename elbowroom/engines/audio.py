@@ -54,6 +54,16 @@ class TranscribeRequest:
             path, language.strip().lower() if language else None, prompt, temperature
         )
 
+    def require_english(self) -> None:
+        """For a model that knows only English: any other language is a bad request (no
+        language means English)."""
+        if self.language not in (None, "en"):
+            raise BadRequest(
+                f"this model transcribes English only; language {self.language!r} is not "
+                "supported (use 'en' or leave language out)",
+                param="language",
+            )
+
 
 def _import_av() -> Any:
     try:

@@ -71,12 +71,7 @@ class SphinxEngine:
         if self._decoder is None:
             raise EngineError("the sphinx engine is not loaded")
         req = TranscribeRequest.from_payload(payload)
-        if req.language not in (None, "en"):
-            raise BadRequest(
-                f"this model transcribes English only; language {req.language!r} is not "
-                "supported (use 'en' or leave language out)",
-                param="language",
-            )
+        req.require_english()
         samples = decode_audio(req.audio_path, SAMPLE_RATE, self._max_seconds)
         dec = self._decoder
         try:

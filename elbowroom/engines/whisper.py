@@ -47,15 +47,10 @@ class WhisperEngine:
             raise EngineError("the whisper engine is not loaded")
         req = TranscribeRequest.from_payload(payload)
         multilingual = bool(self._model.model.is_multilingual)
-        if req.language is not None:
-            if not multilingual and req.language != "en":
-                raise BadRequest(
-                    f"this model transcribes English only; language {req.language!r} is not "
-                    "supported (use 'en' or leave language out)",
-                    param="language",
-                )
-            if multilingual and req.language not in self._model.supported_languages:
-                raise BadRequest(f"unknown language {req.language!r}", param="language")
+        if not multilingual:
+            req.require_english()
+        elif req.language is not None and req.language not in self._model.supported_languages:
+            raise BadRequest(f"unknown language {req.language!r}", param="language")
         samples = decode_audio(req.audio_path, SAMPLE_RATE, self._max_seconds)
         audio = samples.astype(np.float32) / 32768.0
         del samples
