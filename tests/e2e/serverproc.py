@@ -21,7 +21,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +63,12 @@ class ServerProcess:
         *args: str,
         env: dict[str, str] | None = None,
         api_key: str | None = None,
+        prefix: Sequence[str] = (),
     ) -> None:
         self.home = home
         self.args = list(args)
+        # argv that runs first and execs the server's (e.g. one that joins a cgroup)
+        self.prefix = list(prefix)
         self.api_key = api_key
         self.extra_env = dict(env or {})
         self.log_path = home / f"server-{time.monotonic_ns()}.log"
@@ -88,7 +91,7 @@ class ServerProcess:
             cmd += ["--api-key", self.api_key]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                cmd,
+                [*self.prefix, *cmd],
                 cwd=REPO,
                 env=env,
                 stdout=log,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -29,7 +28,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from serverproc import REPO, wait_for
+from serverproc import ServerProcess, wait_for
 
 from elbowroom.config import Settings
 from elbowroom.memory.process import measure_tree
@@ -285,45 +284,18 @@ def test_real_cgroup_noisy_neighbour_guard_unloads_and_nothing_is_oom_killed(
     tmp_path: Path,
 ) -> None:
     cg = _cgroup_or_skip(f"elbowroom-test-{os.getpid()}", CGROUP_LIMIT)
+    server = ServerProcess(
+        tmp_path,
+        "--ctx",
+        "1024",
+        "--preload",
+        LLM,
+        env={"ELBOWROOM_MONITOR_INTERVAL": "0.2"},
+        prefix=cg.command(),  # the server and its runners live in the cgroup
+    )
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ELBOWROOM_")}
-        env.update(
-            XDG_DATA_HOME=str(tmp_path / "data"),
-            XDG_CACHE_HOME=str(tmp_path / "cache"),
-            XDG_CONFIG_HOME=str(tmp_path / "config"),
-            PYTHONUNBUFFERED="1",
-            ELBOWROOM_MONITOR_INTERVAL="0.2",
-        )
-        log_path = tmp_path / "server.log"
-        with open(log_path, "wb") as log:
-            server = subprocess.Popen(
-                cg.command(
-                    sys.executable,
-                    "-m",
-                    "elbowroom",
-                    "serve",
-                    "--port",
-                    "0",
-                    "--ctx",
-                    "1024",
-                    "--preload",
-                    LLM,
-                ),
-                cwd=REPO,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        procs.append(server)
-
-        def listening() -> str | None:
-            assert server.poll() is None, log_path.read_text()
-            m = re.search(r"elbowroom listening on (http://\S+)", log_path.read_text())
-            return m.group(1) if m else None
-
-        url = wait_for(listening, timeout=120, what="the server in the cgroup to listen")
+        url = server.start().url
         http = httpx.Client(base_url=url, timeout=30)
 
         def loaded() -> set[str]:
@@ -392,16 +364,17 @@ def test_real_cgroup_noisy_neighbour_guard_unloads_and_nothing_is_oom_killed(
         assert out.status_code == 200, out.text
 
         assert cg.oom_kills == 0, f"OOM kills in the cgroup after {held} MiB of neighbour"
-        assert server.poll() is None and neighbour.poll() is None
-        assert "exited:" not in log_path.read_text()  # no runner died
+        assert server.proc is not None and server.proc.poll() is None
+        assert neighbour.poll() is None
+        assert "exited:" not in server.log()  # no runner died
         neighbour.stdin.close()
         assert neighbour.wait(timeout=30) == 0
-        server.send_signal(signal.SIGTERM)
-        assert server.wait(timeout=60) == 0, log_path.read_text()[-3000:]
+        assert server.stop(timeout=60) == 0, server.log()[-3000:]  # SIGTERM: a clean exit
     finally:
         for p in procs:
             if p.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
                 p.wait(timeout=30)
+        server.stop(timeout=10)
         cg.remove()
