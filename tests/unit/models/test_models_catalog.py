@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import write_gguf
+from gguf_files import write_gguf
 
 from elbowroom.config import Settings
 from elbowroom.errors import ModelNotFound

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import write_gguf
+from gguf_files import write_gguf
 
 from elbowroom.cli import main
 from elbowroom.config import Settings

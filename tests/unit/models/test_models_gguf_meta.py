@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import write_gguf
+from gguf_files import write_gguf
 
 from elbowroom.models.gguf_meta import InvalidModel, read_gguf_info
 
