@@ -23,6 +23,9 @@ log = logging.getLogger("elbowroom.server")
 
 router = APIRouter(prefix="/v1")
 
+# Above this a max_tokens is a client bug, not a wish: 400 instead of clamping.
+ABSURD_MAX_TOKENS = 1 << 20
+
 
 def model_card(spec: ModelSpec) -> dict[str, Any]:
     try:
@@ -73,13 +76,19 @@ async def _generate(
     settings = services.settings
     spec = _text_model(services.catalog, body.model or settings.default_model)
     max_tokens, param = body.requested_max_tokens()
-    if max_tokens is not None and max_tokens > settings.max_tokens_cap:
+    if max_tokens is not None and max_tokens > ABSURD_MAX_TOKENS:
         raise BadRequest(
-            f"{param}={max_tokens} is above this server's ceiling of "
-            f"{settings.max_tokens_cap} (ELBOWROOM_MAX_TOKENS_CAP)",
+            f"{param}={max_tokens} is absurd: no context holds more than {ABSURD_MAX_TOKENS} "
+            f"tokens; this server generates at most {settings.max_tokens_cap} per request "
+            "(max_tokens_cap)",
             param=param,
             code="invalid_value",
         )
+    if max_tokens is not None:
+        # Clients often ask for far more than they need (16384 is a common default): the
+        # hard cap applies, as the context's room does in the engine; the reply then ends
+        # with finish_reason "length".
+        max_tokens = min(max_tokens, settings.max_tokens_cap)
     keep_alive = parse_keep_alive(body.keep_alive)
     payload = {**inputs, **body.sampling(max_tokens)}
     envelope = Envelope.new(kind, spec.id, int(time.time()))

@@ -104,6 +104,20 @@ def test_stream_ends_with_done_and_max_completion_tokens_wins(harness: Harness) 
     assert harness.scheduler.requests[0][1]["max_tokens"] == 4
 
 
+@pytest.mark.parametrize("asked", [4097, 16384, 1 << 20])
+def test_max_tokens_above_the_cap_is_clamped_to_it(harness: Harness, asked: int) -> None:
+    r = harness.client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "smollm2-135m",
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": asked,
+        },
+    )
+    assert r.status_code == 200
+    assert harness.scheduler.requests[0][1]["max_tokens"] == 4096  # max_tokens_cap
+
+
 def test_completions_both_ways(harness: Harness) -> None:
     c = client_for(harness)
     out = c.completions.create(model="smollm2-135m", prompt=["Once"], max_tokens=3)
