@@ -38,12 +38,12 @@ from typing import Any
 
 import httpx
 import openai
+from cgroup_v1 import NEIGHBOUR, Cgroup, v1_available
 
 from elbowroom.units import MiB, format_size, parse_size
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
-CGROUP_V1 = Path("/sys/fs/cgroup/memory")
 MODELS = ["smollm2-135m", "gemma3-270m", "whisper-tiny.en", "piper-en-us-joe", "minilm-l6-v2"]
 # (endpoint, model, weight): the request mix
 MIX = [
@@ -53,64 +53,11 @@ MIX = [
     ("speech", "piper-en-us-joe", 2),
     ("embeddings", "minilm-l6-v2", 3),
 ]
-JOIN = (
-    "import os, sys; open(os.path.join(sys.argv[1], 'cgroup.procs'), 'w').write(str(os.getpid()));"
-    " os.execv(sys.argv[2], sys.argv[2:])"
-)
-NEIGHBOUR = """
-import sys
-held = []
-for line in sys.stdin:
-    line = line.strip()
-    if line.startswith("+"):
-        n = int(line[1:]) * 1024 * 1024
-        b = bytearray(n)
-        b[::4096] = b"\\x01" * (n // 4096)
-        held.append(b)
-    elif line.startswith("-"):
-        n = int(line[1:] or 0) * 1024 * 1024
-        while held and (n <= 0 or n >= len(held[-1])):
-            n -= len(held.pop())
-    print("ok", sum(len(b) for b in held), flush=True)
-"""
 _LISTENING = re.compile(r"elbowroom listening on (http://\S+)")
 _LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*?(elbowroom\.\w+): (.*)$")
 
 
 # --- the cgroup and the processes in it -------------------------------------------------
-
-
-class Cgroup:
-    def __init__(self, name: str, limit: int) -> None:
-        self.path = CGROUP_V1 / name
-        self.path.mkdir()
-        (self.path / "memory.limit_in_bytes").write_text(str(limit))
-        self.limit = limit
-
-    def value(self, name: str) -> int:
-        return int((self.path / name).read_text())
-
-    def oom_kills(self) -> int:
-        text = (self.path / "memory.oom_control").read_text()
-        fields = dict(line.split() for line in text.splitlines())
-        return int(fields.get("oom_kill", 0))
-
-    def command(self, *argv: str) -> list[str]:
-        return [sys.executable, "-c", JOIN, str(self.path), *argv]
-
-    def remove(self) -> None:
-        deadline = time.monotonic() + 30
-        while True:
-            for pid in (self.path / "cgroup.procs").read_text().split():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(pid), signal.SIGKILL)  # only what this script started
-            try:
-                self.path.rmdir()
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
 
 
 class Server:
@@ -346,9 +293,7 @@ def sampler(
 ) -> None:
     while not stop.is_set():
         with contextlib.suppress(OSError, ValueError):
-            out.append(
-                (time.monotonic() - start, cg.value("memory.usage_in_bytes"), cg.oom_kills())
-            )
+            out.append((time.monotonic() - start, cg.usage, cg.oom_kills))
         stop.wait(0.25)
 
 
@@ -452,7 +397,7 @@ def run(
                     for e in guard.get("events", [])
                     if e["wall"] >= wall0
                 ]
-        out.oom_kills = cg.oom_kills()
+        out.oom_kills = cg.oom_kills
         out.server_exit = server.stop()
         out.log_events = parse_log(server.log(), wall0)
     finally:
@@ -714,7 +659,7 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="30 s per mode (a smoke run)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
-    if os.geteuid() != 0 or not (CGROUP_V1 / "memory.limit_in_bytes").exists():
+    if not v1_available():
         print(
             "chaos.py needs root and a cgroup v1 memory hierarchy at /sys/fs/cgroup/memory",
             file=sys.stderr,

@@ -28,6 +28,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from cgroup_v1 import NEIGHBOUR, Cgroup, v1_available
 from serverproc import ServerProcess, wait_for
 
 from elbowroom.config import Settings
@@ -206,72 +207,12 @@ def test_hard_pressure_aborts_the_generation_and_the_server_keeps_serving(
 
 # --- part 2: a real cgroup ------------------------------------------------------------
 
-CGROUP_V1 = Path("/sys/fs/cgroup/memory")
 CGROUP_LIMIT = 1536 * 1024**2
 MiB = 1024**2
-# Runs in the child: join the cgroup named by argv[1], then exec the rest of argv.
-JOIN = (
-    "import os, sys; open(os.path.join(sys.argv[1], 'cgroup.procs'), 'w').write(str(os.getpid()));"
-    " os.execv(sys.argv[2], sys.argv[2:])"
-)
-# The noisy neighbour: "+N" holds N more MiB (touched, so really resident), "-" frees all.
-NEIGHBOUR = """
-import sys
-held = []
-for line in sys.stdin:
-    line = line.strip()
-    if line.startswith("+"):
-        n = int(line[1:]) * 1024 * 1024
-        b = bytearray(n)
-        b[::4096] = b"\\x01" * (n // 4096)
-        held.append(b)
-    elif line == "-":
-        held.clear()
-    print("ok", sum(len(b) for b in held), flush=True)
-"""
-
-
-class Cgroup:
-    """A cgroup v1 memory cgroup this test creates, limits and always removes."""
-
-    def __init__(self, name: str, limit: int) -> None:
-        self.path = CGROUP_V1 / name
-        self.path.mkdir()
-        (self.path / "memory.limit_in_bytes").write_text(str(limit))
-
-    def read(self, name: str) -> str:
-        return (self.path / name).read_text()
-
-    @property
-    def usage(self) -> int:
-        return int(self.read("memory.usage_in_bytes"))
-
-    @property
-    def oom_kills(self) -> int:
-        fields = dict(line.split() for line in self.read("memory.oom_control").splitlines())
-        return int(fields.get("oom_kill", 0))
-
-    def command(self, *argv: str) -> list[str]:
-        return [sys.executable, "-c", JOIN, str(self.path), *argv]
-
-    def remove(self) -> None:
-        deadline = time.monotonic() + 30
-        while True:
-            pids = [int(p) for p in self.read("cgroup.procs").split()]
-            for pid in pids:  # only processes this test started can be in here
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            try:
-                self.path.rmdir()
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)  # cleanup only: the kernel reaps the killed tasks
 
 
 def _cgroup_or_skip(name: str, limit: int) -> Cgroup:
-    if os.geteuid() != 0 or not (CGROUP_V1 / "memory.limit_in_bytes").exists():
+    if not v1_available():
         pytest.skip("needs root and a cgroup v1 memory hierarchy at /sys/fs/cgroup/memory")
     try:
         return Cgroup(name, limit)
