@@ -46,6 +46,10 @@ class GGUFInfo:
     # e.g. recurrent layers); None when every layer has n_kv_heads.
     kv_heads_per_layer: tuple[int, ...] | None = None
     n_vocab: int | None = None
+    # Bytes of the vocabulary's longest token as the file spells it (>= the characters of
+    # text any one token covers): a cheap lower bound on a prompt's tokens (server.limits).
+    max_token_bytes: int | None = None
+    tokenizer_model: str | None = None  # tokenizer.ggml.model: "llama" (SPM), "gpt2" (BPE)...
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,7 @@ from elbowroom.memory.types import Pressure, Probe, Snapshot
 from elbowroom.models.spec import Holding, ModelSpec
 from elbowroom.runtime.protocol import Runner, RunnerFactory
 from elbowroom.scheduler import policy
+from elbowroom.scheduler.clients import current_client, queue_cap
 from elbowroom.scheduler.inputs import Estimator, Measurements, ModelCatalog, default_estimator
 from elbowroom.scheduler.records import InFlightRequest, Lane, Loaded, Phase
 from elbowroom.scheduler.report import describe, plain
@@ -66,11 +67,14 @@ class Scheduler:
         own_usage: Callable[[], int] | None = None,
         sleep: Sleep = asyncio.sleep,
         estimator: Estimator | None = None,
+        server_usage: Callable[[], int] | None = None,
     ) -> None:
         """``catalog``, ``measured`` and ``estimator`` default to / are the model layer's
         Catalog, MeasuredStore and ``models.estimate``; ``probe``, ``runner_factory``,
         ``clock``, ``sleep`` (waits while polling for memory) and ``own_usage`` (bytes our
-        runners hold; default: the sum of their ``measure()``) are the seams tests swap."""
+        runners hold; default: the sum of their ``measure()``) are the seams tests swap.
+        ``server_usage``: the server process's own anonymous bytes; they count as ours, in
+        the default ``own_usage`` and against the load ceiling."""
         self.settings = settings
         self._catalog = catalog
         self._probe = probe
@@ -79,6 +83,7 @@ class Scheduler:
         self._clock = clock
         self._own_usage = own_usage if own_usage is not None else self._runners_usage
         self._sleep = sleep
+        self._server_usage = server_usage if server_usage is not None else _none
         self._estimate = estimator if estimator is not None else default_estimator()
         self._budget = budget.BudgetConfig.from_settings(settings)
         self._lanes: dict[str, Lane] = {}
@@ -156,11 +161,20 @@ class Scheduler:
                 f"(queue_size {self.settings.queue_size}); retry later",
                 retry_after=min(60.0, max(1.0, retry)),
             )
+        client = current_client.get()  # set by the server only when keys tell clients apart
+        if client is not None and lane.slots.locked():
+            self._check_client_share(spec.id, lane, client)
         lane.waiting += 1
+        if client is not None:
+            lane.waiting_by[client] = lane.waiting_by.get(client, 0) + 1
         try:
             await lane.slots.acquire()
         finally:
             lane.waiting -= 1
+            if client is not None:
+                left = lane.waiting_by.pop(client) - 1
+                if left:
+                    lane.waiting_by[client] = left
         lane.claims += 1
         claimed = True
         try:
@@ -190,6 +204,17 @@ class Scheduler:
             if claimed:
                 lane.claims -= 1
             lane.slots.release()
+
+    def _check_client_share(self, model_id: str, lane: Lane, client: str) -> None:
+        cap = queue_cap(self.settings.queue_size, self.settings.queue_share)
+        if lane.waiting_by.get(client, 0) >= cap:
+            self.counters["refusals_503"] += 1
+            raise QueueFull(
+                f"this API key ({client}) already has {cap} requests waiting for model "
+                f"{model_id!r}; one key may hold at most {cap} of its {self.settings.queue_size} "
+                "queue places (queue_share); retry when one finishes",
+                retry_after=min(60.0, max(1.0, lane.mean_seconds)),
+            )
 
     def _finish(
         self, rec: Loaded, lane: Lane, keep_alive: float | None, started: float, crashed: bool
@@ -266,7 +291,8 @@ class Scheduler:
             # Loads are admitted up to the soft threshold, not the limit: a load that filled
             # the budget would put the guard straight into a pressure episode (unloads, then
             # aborts at hard) as soon as caches and contexts grow a little.
-            state = self._state(limit.soft)
+            # The server process's own bytes (request bodies, Python) fill the same budget.
+            state = self._state(limit.soft - self._server_usage())
             plan = plan_load(spec, self.settings, state, self._estimate, self._measured)
             decision = policy.decide(state, plan.request)
             if isinstance(decision, policy.Admit):
@@ -536,6 +562,7 @@ class Scheduler:
         own = self._own_usage()
         assessment = budget.assess(snap, own, limit, self._budget)
         committed = sum(rec.held_bytes() for rec in self._loaded.values())
+        server = self._server_usage()
         return {
             "snapshot": plain(snap),
             "limit": budget.limit_to_dict(limit),
@@ -545,7 +572,8 @@ class Scheduler:
             "own_usage": own,
             "committed": committed,
             "ceiling": limit.ceiling,
-            "available": max(0, limit.ceiling - committed),
+            "server_usage": server,
+            "available": max(0, limit.ceiling - committed - server),
             "reservations": [
                 {"id": rec.spec.id, "bytes": rec.predicted}
                 for rec in self._loaded.values()
@@ -605,7 +633,7 @@ class Scheduler:
         return policy.State(tuple(models), limit)
 
     def _runners_usage(self) -> int:
-        total = 0
+        total = self._server_usage()
         for rec in self._loaded.values():
             mem = rec.measure()
             total += mem.resident if mem is not None else 0
@@ -634,6 +662,10 @@ class Scheduler:
                 await self.tick()
             except Exception:
                 log.exception("keep-alive tick failed")
+
+
+def _none() -> int:
+    return 0
 
 
 def _retrieve(task: asyncio.Task[Any]) -> None:

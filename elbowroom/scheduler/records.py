@@ -55,6 +55,7 @@ class Lane:
     restarts: int = 0  # loads that followed a crash
     load_task: asyncio.Task[Loaded] | None = None
     mean_seconds: float = 1.0  # moving average of request durations, for Retry-After
+    waiting_by: dict[str, int] = field(default_factory=dict)  # waiting requests per client
 
     def note_crash(self, now: float, cause: str, initial: float, maximum: float) -> None:
         self.crash_streak += 1

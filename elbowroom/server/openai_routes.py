@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from elbowroom.errors import BadRequest, ElbowroomError
 from elbowroom.models.spec import ModelKind, ModelSpec
 from elbowroom.server.deps import get_services, parse_keep_alive
+from elbowroom.server.errors import public_error
 from elbowroom.server.metrics import record_tokens
 from elbowroom.server.schemas import ChatCompletionRequest, CompletionRequest
 from elbowroom.server.shapes import Envelope, Kind
@@ -153,17 +154,14 @@ async def _stream(
     except ElbowroomError as err:
         # Headers are gone already: the error becomes the stream's last event.
         failure = err
-        yield sse(err.to_openai())
+        yield sse(public_error(err, f"stream {envelope.id}").to_openai())
     except (GeneratorExit, asyncio.CancelledError):
         # The client went away: closing the runner's iterator (in release) cancels the work.
         log.info("client went away mid-stream: cancelling %s on %s", envelope.id, envelope.model)
         raise
     except Exception as err:
         failure = err
-        log.exception("unexpected error while streaming", exc_info=err)
-        yield sse(
-            ElbowroomError("The server had an unexpected error; it has been logged.").to_openai()
-        )
+        yield sse(public_error(err, f"stream {envelope.id}").to_openai())
     finally:
         # A disconnect (GeneratorExit / cancellation) is a normal release for the scheduler.
         await generation.release(failure)

@@ -66,7 +66,8 @@ class _Sampling(BaseModel):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     seed: int | None = None
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    # How many and how long: max_stop, max_stop_chars (checked in server.limits).
+    stop: str | list[str] | None = None
     n: int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None

@@ -147,6 +147,8 @@ class FakeSample:
 
 
 class FakeMonitor:
+    latest = None  # no sample yet
+
     def history(self) -> list[FakeSample]:
         return [FakeSample(5)]
 

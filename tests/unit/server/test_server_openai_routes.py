@@ -20,7 +20,7 @@ from elbowroom.errors import (
 
 def client_for(h: Harness) -> openai.OpenAI:
     return openai.OpenAI(
-        base_url="http://testserver/v1", api_key="unused", http_client=h.client, max_retries=0
+        base_url="http://localhost/v1", api_key="unused", http_client=h.client, max_retries=0
     )
 
 
