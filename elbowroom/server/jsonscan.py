@@ -44,7 +44,7 @@ class Inspected:
     prompt_chars: int  # characters of the text a model would be prompted with
 
 
-def scan(body: bytes, max_values: int, max_depth: int) -> int:
+def scan(body: bytes | bytearray, max_values: int, max_depth: int) -> int:
     """The number of values in ``body`` (about: strings, containers, commas), raising
     PayloadTooLarge past ``max_values`` and BadRequest past ``max_depth`` nesting levels.
     Malformed JSON is not judged here: the parser reports it."""
@@ -74,7 +74,7 @@ def scan(body: bytes, max_values: int, max_depth: int) -> int:
     return values
 
 
-def inspect(body: bytes, path: str, limits: Limits) -> Inspected:
+def inspect(body: bytes | bytearray, path: str, limits: Limits) -> Inspected:
     """Scan, parse and check ``body`` sent to ``path``; raise the error a client should see."""
     scan(body, limits.max_values, limits.max_depth)
     try:

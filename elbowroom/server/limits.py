@@ -130,8 +130,9 @@ class BodyGate:
         finally:
             self.inflight.give(held)
 
-    async def _read(self, receive: Receive, declared: int | None) -> tuple[bytes | None, int]:
-        """The whole body, or None on disconnect; the bytes taken from ``inflight``."""
+    async def _read(self, receive: Receive, declared: int | None) -> tuple[bytearray | None, int]:
+        """The whole body, or None on disconnect; the bytes taken from ``inflight``. A
+        bytearray, never copied: scan, parse and route all read it as it is."""
         held = 0
         if declared is not None and declared > SMALL_BODY:
             held = self._take(declared)
@@ -149,7 +150,7 @@ class BodyGate:
                     # chunked: hold what arrived, plus a margin for the next chunks
                     held += self._take(len(buf) + SMALL_BODY - held)
                 if not message.get("more_body", False):
-                    return bytes(buf), held
+                    return buf, held
         except BaseException:
             self.inflight.give(held)
             raise
@@ -164,7 +165,7 @@ class BodyGate:
             )
         return n
 
-    async def _inspect(self, body: bytes, path: str) -> Inspected:
+    async def _inspect(self, body: bytearray, path: str) -> Inspected:
         if len(body) <= SMALL_BODY:
             return inspect(body, path, self.limits)
         # The scan is a Python loop (it lets other threads run between matches) and the
@@ -254,7 +255,7 @@ def _check_media_type(value: bytes | None) -> None:
     )
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
+def _replay(body: bytes | bytearray, receive: Receive) -> Receive:
     """The body in one message, then the client's own messages (for disconnects)."""
     sent = False
 
