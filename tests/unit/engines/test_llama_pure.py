@@ -147,9 +147,8 @@ class _NoControl:
 
 
 def test_a_conversation_keeps_its_slot_and_strangers_take_the_least_recent() -> None:
-    slots = Slots(
-        _NoControl(), 3, None, save_dir=__import__("pathlib").Path("/nonexistent"), block_tokens=64
-    )  # type: ignore[arg-type]
+    control = cast(EngineControl, _NoControl())
+    slots = Slots(control, 3, None, save_dir=Path("/nonexistent"), block_tokens=64)
     story = "system: You are a storyteller who knows many old tales. " * 3
     a = slots.acquire(story + "user: once upon")
     slots.release(a)
