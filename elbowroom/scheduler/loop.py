@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import math
@@ -84,6 +85,7 @@ class Scheduler:
         self._own_usage = own_usage if own_usage is not None else self._runners_usage
         self._sleep = sleep
         self._server_usage = server_usage if server_usage is not None else _none
+        self._last_server = 0  # the server bytes the last load decision left out
         self._estimate = estimator if estimator is not None else default_estimator()
         self._budget = budget.BudgetConfig.from_settings(settings)
         self._lanes: dict[str, Lane] = {}
@@ -292,7 +294,8 @@ class Scheduler:
             # the budget would put the guard straight into a pressure episode (unloads, then
             # aborts at hard) as soon as caches and contexts grow a little.
             # The server process's own bytes (request bodies, Python) fill the same budget.
-            state = self._state(limit.soft - self._server_usage())
+            self._last_server = self._server_usage()
+            state = self._state(limit.soft - self._last_server)
             plan = plan_load(spec, self.settings, state, self._estimate, self._measured)
             decision = policy.decide(state, plan.request)
             if isinstance(decision, policy.Admit):
@@ -384,9 +387,20 @@ class Scheduler:
             format_size(refusal.limit),
             format_size(refusal.committed),
         )
+        server = self._last_server
+        message = refusal.message()
+        if server:
+            # The policy saw the ceiling less the server's own bytes: report the ceiling
+            # itself, and what the server holds of it.
+            refusal = dataclasses.replace(refusal, limit=refusal.limit + server)
+            bare = dataclasses.replace(refusal, suggestions=()).message()
+            message = f"{bare} (the server process itself holds {format_size(server)} of it)"
+            if refusal.suggestions:
+                message += ": " + "; or ".join(s.message for s in refusal.suggestions)
         details = refusal.details()
         details["memory_limit"] = self._last_limit
-        return InsufficientMemory(refusal.message(), code="insufficient_memory", details=details)
+        details["server_usage"] = server
+        return InsufficientMemory(message, code="insufficient_memory", details=details)
 
     # ------------------------------------------------------------------ unloading
 

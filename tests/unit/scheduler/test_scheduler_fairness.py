@@ -82,7 +82,11 @@ def test_the_server_s_own_bytes_count_against_the_load_ceiling() -> None:
         assert report["available"] == report["ceiling"] - report["committed"] - 300 * MiB
         await h.sched.unload("a")
         h.sched._server_usage = lambda: 400 * MiB
-        with pytest.raises(InsufficientMemory):
+        with pytest.raises(InsufficientMemory) as err:
             await request(h, "a")
+        details = err.value.details
+        assert details["server_usage"] == 400 * MiB
+        assert details["limit"] == int(800 * MiB * 0.85)  # the ceiling itself, not less
+        assert "the server process itself holds 400.0 MiB" in err.value.message
 
     run(scenario())
