@@ -2,8 +2,9 @@
 
     .venv/bin/python benchmarks/soak.py [--rounds 5] [--requests 200] [--concurrency 4]
 
-Starts `elbowroom serve` (fresh data/cache/config folders, ELBOWROOM_KEEP_ALIVE and
-ELBOWROOM_RESIDENT_IDLE = --idle, --ctx 512), runs a warm-up (--warmup requests: lazy
+Starts `elbowroom serve` (fresh data/cache/config folders, gemma3-270m linked from the
+user's data folder when prepared there, ELBOWROOM_KEEP_ALIVE and ELBOWROOM_RESIDENT_IDLE =
+--idle, --ctx 512), runs a warm-up (--warmup requests: lazy
 imports, thread pools and allocator arenas settle) and waits until every runner has idled
 out. That state is the baseline: the anonymous bytes (smaps_rollup) of the server and all
 its children, the server's open fds and threads, and its child processes. Then, --rounds
@@ -11,8 +12,9 @@ times: --requests requests at --concurrency (chat, chat stream, stream cancelled
 first chunk, transcription, speech, embeddings; round-robin over the bundled models of each
 kind, with the official openai client), idle-out, sample again.
 
-Targets, per round: anonymous bytes within 5 % of the baseline; no more fds, no more child
-processes, threads at most the baseline's plus the executor's workers (they stay idle).
+Targets, per round: anonymous bytes within 5 % of the baseline; no more fds (the client's
+pooled connections are closed before each sample), no more child processes, threads at
+most the baseline's plus the executor's workers (they stay idle).
 Writes benchmarks/results/soak.{json,md}.
 """
 
@@ -102,8 +104,8 @@ def sample(pid: int, seconds: float = 3.0) -> dict[str, Any]:
     return {
         "anonymous": int(statistics.median(r["anonymous"] for r in readings)),
         "server_anonymous": int(statistics.median(r["server_anonymous"] for r in readings)),
-        "fds": max(r["fds"] for r in readings),
-        "threads": max(r["threads"] for r in readings),
+        "fds": int(statistics.median(r["fds"] for r in readings)),
+        "threads": int(statistics.median(r["threads"] for r in readings)),
         "children": last["children"],
         "child_cmds": last["child_cmds"],
         "samples": len(readings),
@@ -114,13 +116,22 @@ class Workload:
     """One request of each kind, on the bundled models the server lists."""
 
     def __init__(self, url: str, models: dict[str, list[str]], max_tokens: int) -> None:
-        self.client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        self.url = url
+        self.client = self._client()
         self.models = models
         self.max_tokens = max_tokens
         self._next = {kind: itertools.cycle(ids) for kind, ids in models.items() if ids}
         self.audio = self.client.audio.speech.create(
             model="tts-1", voice="alloy", input=SENTENCE, response_format="wav"
         ).content
+
+    def _client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
+
+    def hang_up(self) -> None:
+        """Close the client's pooled connections: the server's fds for them are not leaks."""
+        self.client.close()
+        self.client = self._client()
 
     def kinds(self) -> list[str]:
         need = {"chat": "llm", "stream": "llm", "cancel": "llm", "transcribe": "asr"}
@@ -218,7 +229,21 @@ def judge(base: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def link_gemma(home: Path) -> None:
+    """gemma3-270m is assembled once into the user's data folder (`elbowroom ... prepare`);
+    the fresh data folder links to it, as the e2e tests do."""
+    from elbowroom.config import load_settings
+    from elbowroom.models.bundled import gemma_path
+
+    source = gemma_path(load_settings())
+    target = home / "data" / "elbowroom" / "bundled" / source.name
+    if source.is_file() and not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.symlink_to(source)
+
+
 def start_server(home: Path, idle: float) -> tuple[subprocess.Popen[bytes], str]:
+    link_gemma(home)
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELBOWROOM_")}
     env.update(
         XDG_DATA_HOME=str(home / "data"),
@@ -262,7 +287,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--idle", type=float, default=5.0, help="keep-alive / resident idle")
+    parser.add_argument("--idle", type=float, default=10.0, help="keep-alive / resident idle")
     parser.add_argument("--out", default="soak", help="results/<out>.{json,md}")
     args = parser.parse_args()
 
@@ -275,11 +300,13 @@ def main() -> None:
         work = Workload(url, models, args.max_tokens)
         warm = run_requests(work, args.warmup, args.concurrency, 0)
         warm_idle = idle_out(url, args.idle + 180)
+        work.hang_up()
         base = sample(server.pid)
         rounds = []
         for r in range(args.rounds):
             ran = run_requests(work, args.requests, args.concurrency, (r + 1) * 100_000)
             idle = idle_out(url, args.idle + 180)
+            work.hang_up()
             after = sample(server.pid)
             rounds.append({"round": r, **ran, "idle_out_seconds": idle, "after": after})
             rounds[-1].update(judge(base, after))
