@@ -245,7 +245,8 @@ async def _check_num_ctx(services: Services, spec: ModelSpec, num_ctx: int | Non
     if num_ctx is None:
         return
     scheduler = services.scheduler
-    row = next((r for r in scheduler.ps() if r["id"] == spec.id and r["state"] == "ready"), None)
+    ready = [r for r in scheduler.ps() if r["id"] == spec.id and r.get("state") == "ready"]
+    row = ready[0] if ready else None
     if row is None:
         row = await scheduler.load(spec.id)
     n_ctx = row.get("n_ctx")
