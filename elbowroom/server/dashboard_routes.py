@@ -92,6 +92,7 @@ async def dashboard(request: Request, since: float = 0.0) -> dict[str, Any]:
         counters=dict(getattr(scheduler, "counters", {})),
         now_wall=time.time(),
         since=since,
+        latest=getattr(monitor, "latest", None),
     )
 
 

@@ -11,6 +11,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
+from elbowroom.memory.budget import limit_to_dict
+
 WINDOW_SECONDS = 600.0  # the timeline shows the last ten minutes
 
 TIMELINE_FIELDS = ("wall", "usage", "limit", "soft", "hard", "level", "available", "total")
@@ -36,11 +38,19 @@ def _mem_of(row: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def pools(report: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def pools(
+    report: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], latest: Any = None
+) -> list[dict[str, Any]]:
     """Every memory pool: the budgeted one (host RAM, or the cgroup / override inside it),
-    the host when a smaller limit applies, and each GPU."""
+    the host when a smaller limit applies, and each GPU. With the monitor's ``latest``
+    sample, the limit, its thresholds and our usage are that sample's: the numbers the
+    pressure level and the timeline come from."""
     snap: Mapping[str, Any] = report.get("snapshot") or {}
     limit: Mapping[str, Any] = report.get("limit") or {}
+    own_usage = report.get("own_usage")
+    if latest is not None:
+        limit = limit_to_dict(latest.limit)
+        own_usage = latest.own_usage
     total = int(snap.get("total") or 0)
     available = int(snap.get("available") or 0)
     candidates = limit.get("candidates", ())
@@ -64,9 +74,9 @@ def pools(report: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> list[
             "limit_why": winner.get("why"),
             "soft": limit.get("soft"),
             "hard": limit.get("hard"),
-            "ceiling": report.get("ceiling"),
+            "ceiling": report.get("ceiling"),  # what loads are judged against
             "committed": report.get("committed"),
-            "own_usage": report.get("own_usage"),
+            "own_usage": own_usage,
             "models": [_mem_of(r) for r in rows],
         }
     ]
@@ -231,19 +241,26 @@ def build(
     counters: Mapping[str, int],
     now_wall: float,
     since: float = 0.0,
+    latest: Any = None,
 ) -> dict[str, Any]:
+    """``latest`` is the monitor's newest sample: its level is the one the guard acts on
+    (it counts everything the server's process tree holds), so it is the one shown."""
     loaded = {r.get("id") for r in rows}
+    if latest is not None:
+        level, reasons = latest.level.label, list(latest.reasons)
+    else:
+        level, reasons = report.get("pressure"), list(report.get("pressure_reasons") or ())
     return {
         "now": now_wall,
         "window": WINDOW_SECONDS,
         "pressure": {
-            "level": report.get("pressure"),
-            "reasons": list(report.get("pressure_reasons") or ()),
+            "level": level,
+            "reasons": reasons,
             "loads_paused": bool(report.get("loads_paused")),
             "admission_open": (guard_state or {}).get("admission_open", True),
             "guard_enabled": (guard_state or {}).get("enabled", False),
         },
-        "pools": pools(report, rows),
+        "pools": pools(report, rows, latest),
         "models": [model_view(r, now_wall) for r in rows],
         "catalog": [{**m, "loaded": m.get("id") in loaded} for m in catalog],
         "timeline_fields": list(TIMELINE_FIELDS),

@@ -169,7 +169,8 @@ function renderPool(pool) {
   if (pool.limit) {
     facts.push("limit " + size(pool.limit) + (pool.limit_winner ? " (" + pool.limit_winner + ")" : ""));
     facts.push("soft " + size(pool.soft), "hard " + size(pool.hard));
-    facts.push("committed " + size(pool.committed));
+    facts.push("ours " + size(pool.own_usage), "committed " + size(pool.committed));
+    if (pool.ceiling) facts.push("load ceiling " + size(pool.ceiling));
   }
   const holders = el("ul", { class: "holders" });
   for (const m of pool.models || []) {
@@ -189,12 +190,18 @@ function renderPool(pool) {
 
 function renderTimeline(data) {
   const W = 1000, H = 230, L = 70, R = 10, T = 16, B = 24;
-  const now = data.now, start = now - WINDOW_S;
   const points = state.timeline;
+  // Up to ten minutes; a server that started a minute ago gets its minute drawn wide.
+  const now = data.now;
+  const oldest = points.length ? points[0][0] : now;
+  const span = Math.min(WINDOW_S, Math.max(60, Math.ceil((now - oldest) / 60) * 60));
+  const start = now - span;
+  document.getElementById("timeline-title").textContent =
+    "Pressure, last " + (span / 60) + (span === 60 ? " minute" : " minutes");
   let ymax = 1;
   for (const p of points) ymax = Math.max(ymax, p[1], p[2]);
   ymax *= 1.08;
-  const x = (wall) => L + (W - L - R) * (wall - start) / WINDOW_S;
+  const x = (wall) => L + (W - L - R) * (wall - start) / span;
   const y = (bytes) => T + (H - T - B) * (1 - bytes / ymax);
   const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", id: "timeline-svg",
     "aria-label": "memory and pressure over the last ten minutes" });
@@ -214,10 +221,11 @@ function renderTimeline(data) {
     root.append(svg("text", { x: L - 6, y: y(v) + 4, "text-anchor": "end", "font-size": 11,
       fill: "#6b7280" }, size(v)));
   }
-  for (let m = 0; m <= 10; m += 2) {
-    const wall = start + m * 60;
-    root.append(svg("text", { x: x(wall), y: H - 6, "text-anchor": "middle", "font-size": 11,
-      fill: "#6b7280" }, m === 10 ? "now" : "-" + (10 - m) + " min"));
+  for (let k = 0; k <= 5; k++) {
+    const ago = span * (5 - k) / 5;
+    const label = k === 5 ? "now" : "-" + (ago < 120 ? ago + " s" : ago / 60 + " min");
+    root.append(svg("text", { x: x(start + span * k / 5), y: H - 6, "text-anchor": "middle",
+      "font-size": 11, fill: "#6b7280" }, label));
   }
   // Lines: ours, the limit and its thresholds.
   const series = [["usage", 1, ""], ["limit", 2, ""], ["soft", 3, "6 4"], ["hard", 4, "6 4"]];

@@ -123,6 +123,11 @@ def test_pools_show_limit_thresholds_and_what_each_model_holds() -> None:
     assert host["total"] == 16 * GiB and host["used"] == 6 * GiB
     assert gpu["name"] == "GPU 0: H100" and gpu["models"][0]["gpu"] == 5 * MiB
     assert doc["pressure"]["level"] == "soft" and doc["pressure"]["loads_paused"] is True
+    # The monitor's newest sample is the level the guard acts on: it wins over the report's.
+    hard = build(latest=sample(NOW, 3, Pressure.HARD))
+    assert hard["pressure"]["level"] == "hard"
+    assert hard["pools"][0]["limit"] == 4 * GiB and hard["pools"][0]["own_usage"] == 3
+    assert hard["pools"][0]["ceiling"] == 3 * GiB  # loads are still judged by the scheduler
 
 
 def test_models_have_slots_queue_countdown_and_kv_hit_rate() -> None:
