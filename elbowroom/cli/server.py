@@ -32,7 +32,11 @@ def register(sub: Any) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument("--preload", action="append", metavar="ID", help="load at start (repeat)")
     p.add_argument("--pin", action="append", metavar="ID", help="load at start, never evict")
-    p.add_argument("--ctx", type=int, default=None, help="LLM context size (default: auto)")
+    p.add_argument("--ctx", type=int, default=None, help="LLM context per slot (default: auto)")
+    p.add_argument("--slots", type=int, default=None, help="parallel sequences per LLM (4)")
+    p.add_argument(
+        "--model-slots", action="append", metavar="ID=N", help="slots of one model (repeat)"
+    )
     p.add_argument("--kv-type", default=None, choices=("f16", "q8_0", "q4_0"))
     p.add_argument("--keep-alive", default=None, help='idle LLM unload after, e.g. 300 or "5m"')
     p.add_argument("--models-dir", type=Path, default=None, help="folder of model files")
@@ -107,6 +111,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         preload=args.preload,
         pin=args.pin,
         ctx=args.ctx,
+        slots=args.slots,
+        model_slots=args.model_slots,
         kv_type=args.kv_type,
         keep_alive=keep_alive,
         models_dir=args.models_dir,

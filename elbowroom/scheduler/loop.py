@@ -33,7 +33,7 @@ from elbowroom.errors import (
 )
 from elbowroom.memory import budget
 from elbowroom.memory.types import Pressure, Probe, Snapshot
-from elbowroom.models.spec import Holding, ModelSpec
+from elbowroom.models.spec import Holding, ModelKind, ModelSpec
 from elbowroom.runtime.protocol import Runner, RunnerFactory
 from elbowroom.scheduler import policy
 from elbowroom.scheduler.events import EventLog
@@ -153,7 +153,7 @@ class Scheduler:
         lane = self._lane(spec.id)
         if lane.slots.locked() and lane.waiting >= self.settings.queue_size:
             self.counters["refusals_503"] += 1
-            retry = lane.mean_seconds * (lane.waiting + 1) / self.settings.concurrency
+            retry = lane.mean_seconds * (lane.waiting + 1) / lane.width
             log.warning("queue of %s is full (%d waiting)", spec.id, lane.waiting)
             raise QueueFull(
                 f"model {spec.id!r} has {lane.waiting} requests waiting "
@@ -634,7 +634,11 @@ class Scheduler:
     def _lane(self, model_id: str) -> Lane:
         lane = self._lanes.get(model_id)
         if lane is None:
-            lane = self._lanes[model_id] = Lane(asyncio.Semaphore(self.settings.concurrency))
+            # An LLM serves ``slots`` requests at once (the engine batches them); the other
+            # engines one at a time. Requests beyond that wait here, in the bounded queue.
+            spec = self._catalog.get(model_id)
+            width = self.settings.slots_for(model_id) if spec.kind is ModelKind.LLM else 1
+            lane = self._lanes[model_id] = Lane(asyncio.Semaphore(width), width=width)
         return lane
 
     def _bind_loop(self) -> None:
