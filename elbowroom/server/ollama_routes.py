@@ -279,7 +279,7 @@ async def _text(
     if max_tokens is not None:
         max_tokens = min(max_tokens, settings.max_tokens_cap)
     if isinstance(validated, ChatCompletionRequest):
-        inputs: dict[str, Any] = {"messages": [m.to_engine() for m in validated.messages]}
+        inputs: dict[str, Any] = {"messages": _engine_messages(validated, openai["messages"])}
     else:
         inputs = {"prompt": validated.prompt_text()}
     payload = {**openai, **inputs, **validated.sampling(max_tokens)}
@@ -300,6 +300,21 @@ async def _text(
     await generation.release()
     record_tokens(spec.id, done.get("usage"))
     return JSONResponse(reply.final(done, include_text=True))
+
+
+def _engine_messages(
+    validated: ChatCompletionRequest, raw: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The schema's engine messages, with the tool calls and tool-call ids of the Ollama
+    conversation kept (the engine renders them with the chat template)."""
+    out = []
+    for message, sent in zip(validated.messages, raw, strict=True):
+        engine = message.to_engine()
+        for key in ("tool_calls", "tool_call_id"):
+            if key in sent and key not in engine:
+                engine[key] = sent[key]
+        out.append(engine)
+    return out
 
 
 class _Timing:
