@@ -135,3 +135,27 @@ def test_dashboard_in_a_real_browser(
     unexpected = [e for e in errors if EXPECTED not in e]
     assert unexpected == [], unexpected
     page.close()
+
+
+def test_the_page_asks_for_the_api_key_and_uses_it(
+    server_factory: ServerFactory, browser: Any
+) -> None:
+    keyed = server_factory(api_key="s3cret")
+    page = browser.new_page(viewport={"width": 1280, "height": 800})
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.goto(keyed.url + "/ui")
+    expect = sync_api.expect
+    expect(page.locator("#keyform")).to_be_visible(timeout=WAIT_MS)
+    expect(page.locator("#updated")).to_contain_text("API key")
+    page.fill("#key", "s3cret")
+    page.click("#keyform button")
+    expect(page.locator("#pressure-level")).to_have_text("normal", timeout=WAIT_MS)
+    expect(page.locator("#keyform")).to_be_hidden()
+    # Loading through the page sends the key too.
+    page.select_option("#load-model", EMBED)
+    page.click("#load-button")
+    expect(page.locator(f'#models tr[data-model="{EMBED}"]')).to_have_count(1, timeout=WAIT_MS)
+    # Before the key, the polls were answered 401 (the browser logs those); nothing else.
+    assert [e for e in errors if "status of 401" not in e] == []
+    page.close()

@@ -161,3 +161,17 @@ def test_errors_in_ollama_shape(client: ollama.Client, server: ServerProcess) ->
     assert info.value.status_code == 400
     r = httpx.post(server.url + "/api/generate", content=b'{"model": ', timeout=30)
     assert r.status_code == 400 and isinstance(r.json()["error"], str)
+
+
+def test_ps_watch_draws_the_dashboard_in_the_terminal(
+    client: ollama.Client, server: ServerProcess
+) -> None:
+    client.embed(model=EMBED, input="x")
+    table = server.cli("ps", "--watch", "--count", "2", "--interval", "0.2")
+    assert table.returncode == 0, table.stderr
+    for words in ("memory pools", "loaded models", EMBED, "recent events", "load"):
+        assert words in table.stdout, (words, table.stdout)
+    lines = server.cli("ps", "--watch", "--json", "--count", "2", "--interval", "0.2")
+    docs = [json.loads(line) for line in lines.stdout.splitlines()]
+    assert len(docs) == 2 and all(d["pools"][0]["id"] == "memory" for d in docs)
+    assert EMBED in [m["id"] for m in docs[-1]["models"]]

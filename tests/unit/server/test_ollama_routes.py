@@ -192,3 +192,21 @@ def test_models_ps_version_and_form_encoded_bodies(harness: Harness) -> None:
         headers={"Content-Type": "application/x-www-form-urlencoded"},
     )
     assert r.status_code == 200 and r.json()["capabilities"] == ["completion", "tools"]
+
+
+def test_ollama_requests_are_counted_and_timed(harness: Harness) -> None:
+    from elbowroom.server.metrics import METRICS
+
+    def count() -> float:
+        samples = METRICS.requests.collect()[0].samples
+        return sum(
+            s.value
+            for s in samples
+            if s.name.endswith("_total") and s.labels.get("endpoint") == "ollama_chat"
+        )
+
+    before = count()
+    harness.client.post("/api/chat", json={"model": "smollm2-135m", "messages": HI})
+    assert count() == before + 1
+    ttft = METRICS.ttft.collect()[0].samples
+    assert any(s.labels.get("endpoint") == "ollama_chat" for s in ttft)
