@@ -48,6 +48,7 @@ def engine(pressure: Pressure) -> Iterator[LlamaEngine]:
         "pressure": pressure,
         "cache_ram_bytes": 32 << 20,
         "threads": 2,
+        "kv_block_tokens": 4,
     }
     facts = eng.load(bundled_spec("smollm2-135m"), options)
     assert facts["n_ctx"] == N_CTX and facts["slots"] == SLOTS
@@ -221,7 +222,13 @@ def gemma(gemma_settings: Settings | None) -> ModelSpec:
 def test_a_model_without_chat_template_still_chats(gemma: ModelSpec) -> None:
     eng = LlamaEngine()
     try:
-        options = {"n_ctx": N_CTX, "slots": 1, "kv_type": "q8_0", "cache_ram_bytes": 32 << 20}
+        options = {
+            "n_ctx": N_CTX,
+            "slots": 1,
+            "kv_type": "q8_0",
+            "cache_ram_bytes": 32 << 20,
+            "kv_block_tokens": 4,
+        }
         facts = eng.load(gemma, options)
         assert facts["chat_template"] is False and facts["kv_type"] == "q8_0"
         payload = chat("What is the capital of France?", max_tokens=24)
