@@ -9,11 +9,9 @@ elbowroom uses everywhere (a 507 keeps its numbers as extra fields).
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -26,14 +24,16 @@ from elbowroom import __version__
 from elbowroom.errors import BadRequest, ElbowroomError, ModelNotFound
 from elbowroom.models.spec import ModelKind, ModelSpec
 from elbowroom.server import admin_routes
+from elbowroom.server import ollama_models as views
 from elbowroom.server import ollama_shapes as shapes
 from elbowroom.server.deps import Services, get_services, parse_keep_alive
 from elbowroom.server.embeddings_routes import check_inputs
 from elbowroom.server.errors import validation_to_bad_request
 from elbowroom.server.metrics import record_tokens
 from elbowroom.server.model_calls import run_once
+from elbowroom.server.ollama_reply import NdjsonStream, Reply, Timing, stream_reply
 from elbowroom.server.schemas import ChatCompletionRequest, CompletionRequest
-from elbowroom.server.sse import Generation, ManagedStream, open_generation
+from elbowroom.server.sse import open_generation
 
 log = logging.getLogger("elbowroom.server")
 
@@ -84,16 +84,6 @@ def _as_json(request: Request) -> Request:
 router = APIRouter(prefix="/api", route_class=OllamaRoute)
 
 
-class NdjsonStream(ManagedStream):
-    """Ollama streams newline-delimited JSON objects, not server-sent events."""
-
-    media_type = "application/x-ndjson"
-
-
-def _line(obj: dict[str, Any]) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
-
-
 def resolve(catalog: Any, name: str, kinds: tuple[ModelKind, ...], endpoint: str) -> ModelSpec:
     """The spec for an Ollama model name ("id" or "id:latest"), of one of ``kinds``."""
     spec: ModelSpec | None = None
@@ -133,14 +123,14 @@ async def version() -> dict[str, str]:
 async def tags(request: Request) -> dict[str, Any]:
     catalog = get_services(request).catalog
     served = (ModelKind.LLM, ModelKind.EMBEDDING)  # what the Ollama API can run
-    return {"models": [shapes.tag(s) for s in catalog.list() if s.kind in served]}
+    return {"models": [views.tag(s) for s in catalog.list() if s.kind in served]}
 
 
 @router.post("/show")
 async def show(request: Request, body: shapes.ShowBody) -> dict[str, Any]:
     catalog = get_services(request).catalog
     spec = resolve(catalog, body.model_name(), tuple(ModelKind), "/api/show")
-    return shapes.show(spec)
+    return views.show(spec)
 
 
 @router.get("/ps")
@@ -155,7 +145,7 @@ async def ps(request: Request) -> dict[str, Any]:
             spec = services.catalog.get(row["id"])
         except ModelNotFound:
             continue
-        models.append(shapes.ps_entry(spec, row, now))
+        models.append(views.ps_entry(spec, row, now))
     summary = admin_routes.summary(services.scheduler.memory_report())
     return {"models": models, "memory": summary}
 
@@ -288,10 +278,10 @@ async def _text(
     started = time.perf_counter_ns()
     was_loaded = services.scheduler.runner(spec.id) is not None
     generation = await open_generation(services.scheduler, spec.id, keep_alive, kind, payload)
-    timing = _Timing(started, time.perf_counter_ns(), was_loaded)
-    reply = _Reply(body.model, chat=isinstance(body, shapes.ChatBody), timing=timing)
+    timing = Timing(started, time.perf_counter_ns(), was_loaded)
+    reply = Reply(body.model, chat=isinstance(body, shapes.ChatBody), timing=timing)
     if body.stream:
-        return NdjsonStream(_stream(generation, reply, spec.id))
+        return NdjsonStream(stream_reply(generation, reply, spec.id))
     try:
         done = await reply.collect(generation)
     except BaseException as exc:
@@ -315,114 +305,6 @@ def _engine_messages(
                 engine[key] = sent[key]
         out.append(engine)
     return out
-
-
-class _Timing:
-    def __init__(self, started: int, first: int, was_loaded: bool) -> None:
-        self.started = started
-        self.first = first
-        self.was_loaded = was_loaded
-
-    def durations(self, done: dict[str, Any]) -> dict[str, Any]:
-        total = time.perf_counter_ns() - self.started
-        load = 0
-        if not self.was_loaded:
-            # Until the first event the request waited for the load and the prompt: the
-            # engine's prompt time is the second part.
-            prompt_ns = int(float((done.get("timings") or {}).get("prompt_ms", 0)) * 1e6)
-            load = max(0, self.first - self.started - prompt_ns)
-        return shapes.durations(done, total, load)
-
-
-class _Reply:
-    """Builds the chunks and the final body of one /api/chat or /api/generate answer."""
-
-    def __init__(self, model: str, *, chat: bool, timing: _Timing) -> None:
-        self.model = model
-        self.chat = chat
-        self.timing = timing
-        self.pieces: list[str] = []
-        self.logprobs: list[dict[str, Any]] = []
-
-    def _head(self) -> dict[str, Any]:
-        return {"model": self.model, "created_at": shapes.now_iso()}
-
-    def _content(self, text: str, tool_calls: list[dict[str, Any]] | None = None) -> Any:
-        if not self.chat:
-            return {"response": text}
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        if tool_calls:
-            message["tool_calls"] = tool_calls
-        return {"message": message}
-
-    def chunk(self, item: dict[str, Any]) -> dict[str, Any] | None:
-        text = str(item.get("text") or "")
-        lp = item.get("logprobs")
-        if isinstance(lp, list):
-            self.logprobs.extend(lp)
-        if not text:
-            return None
-        self.pieces.append(text)
-        out = {**self._head(), **self._content(text), "done": False}
-        if isinstance(lp, list) and lp:
-            out["logprobs"] = shapes.logprobs_to_ollama(lp)
-        return out
-
-    def tool_chunk(self, done: dict[str, Any]) -> dict[str, Any] | None:
-        calls = shapes.tool_calls_to_ollama(done.get("tool_calls"))
-        if not calls or not self.chat:
-            return None
-        return {**self._head(), **self._content("", calls), "done": False}
-
-    def final(self, done: dict[str, Any], *, include_text: bool) -> dict[str, Any]:
-        text = str(done.get("text") or "".join(self.pieces)) if include_text else ""
-        calls = shapes.tool_calls_to_ollama(done.get("tool_calls")) if include_text else None
-        out = {
-            **self._head(),
-            **self._content(text, calls),
-            "done": True,
-            "done_reason": shapes.done_reason(done.get("finish_reason")),
-            **self.timing.durations(done),
-        }
-        if include_text and self.logprobs:
-            out["logprobs"] = shapes.logprobs_to_ollama(self.logprobs)
-        return out
-
-    async def collect(self, generation: Generation) -> dict[str, Any]:
-        async for item in generation.events():
-            if item.get("type") == "done":
-                return dict(item)
-            self.chunk(item)
-        raise ElbowroomError("the runner ended the request without a result")
-
-
-async def _stream(generation: Generation, reply: _Reply, model_id: str) -> AsyncIterator[bytes]:
-    failure: BaseException | None = None
-    try:
-        async for item in generation.events():
-            if item.get("type") == "done":
-                record_tokens(model_id, item.get("usage"))
-                tools = reply.tool_chunk(item)
-                if tools is not None:
-                    yield _line(tools)
-                yield _line(reply.final(item, include_text=False))
-                return
-            chunk = reply.chunk(item)
-            if chunk is not None:
-                yield _line(chunk)
-        raise ElbowroomError("the runner ended the stream without a result")
-    except ElbowroomError as err:
-        failure = err  # headers are gone: the error is the stream's last line
-        yield _line(shapes.error_body(err))
-    except (GeneratorExit, asyncio.CancelledError):
-        log.info("client went away mid-stream: cancelling the generation on %s", model_id)
-        raise
-    except Exception as err:
-        failure = err
-        log.exception("unexpected error while streaming", exc_info=err)
-        yield _line({"error": "The server had an unexpected error; it has been logged."})
-    finally:
-        await generation.release(failure)
 
 
 # --- embeddings -------------------------------------------------------------------------

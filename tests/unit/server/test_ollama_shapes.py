@@ -1,4 +1,5 @@
-"""The pure Ollama <-> OpenAI translation: options, format, messages, tool calls, models."""
+"""The pure Ollama <-> OpenAI translation (options, format, messages, tool calls) and the
+model views (tags, show, ps)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from server_fakes import spec
 
 from elbowroom.errors import BadRequest, InsufficientMemory
 from elbowroom.models.spec import GGUFInfo, Holding, ModelKind, ModelSpec
+from elbowroom.server import ollama_models as views
 from elbowroom.server import ollama_shapes as shapes
 
 
@@ -181,17 +183,17 @@ def test_model_views_from_gguf_metadata(tmp_path: Path) -> None:
         n_params=134_515_008,
     )
     llm = ModelSpec("tiny", ModelKind.LLM, "llama", weights, 4, Holding.MMAP, "path", gguf=info)
-    tag = shapes.tag(llm)
+    tag = views.tag(llm)
     assert tag["name"] == tag["model"] == "tiny" and len(tag["digest"]) == 64
     assert tag["details"]["parameter_size"] == "135M"
     assert tag["details"]["quantization_level"] == "Q8_0" and tag["details"]["format"] == "gguf"
-    shown = shapes.show(llm)
+    shown = views.show(llm)
     assert shown["model_info"]["llama.context_length"] == 2048
     assert shown["capabilities"] == ["completion", "tools"]
-    assert shapes.capabilities(spec("e", ModelKind.EMBEDDING, "onnx-embed")) == ["embedding"]
+    assert views.capabilities(spec("e", ModelKind.EMBEDDING, "onnx-embed")) == ["embedding"]
     row = {"id": "tiny", "bytes": 100, "gpu": 30, "n_ctx": 1024, "expires_at": None}
-    entry = shapes.ps_entry(llm, row, 1_700_000_000.0)
+    entry = views.ps_entry(llm, row, 1_700_000_000.0)
     assert entry["size"] == 130 and entry["size_vram"] == 30 and entry["context_length"] == 1024
     assert entry["expires_at"].startswith("2316") and entry["keep_alive_expires"] is None
     row["expires_at"] = "2026-01-01T00:00:00+00:00"
-    assert shapes.ps_entry(llm, row, 0)["expires_at"] == "2026-01-01T00:00:00Z"
+    assert views.ps_entry(llm, row, 0)["expires_at"] == "2026-01-01T00:00:00Z"
