@@ -279,7 +279,7 @@ function renderModels(data) {
   const body = document.querySelector("#models tbody");
   const rows = data.models.map((m) => {
     const countdown = m.pinned ? "never (pinned)" :
-      m.expires_in === null ? "never" : duration(m.expires_in - (Date.now() / 1000 - data.now));
+      m.expires_in === null ? "never" : duration(m.expires_in);
     return el("tr", { "data-model": m.id, "data-state": m.state },
       el("td", {}, el("b", {}, m.id), " ", m.pinned ? el("span", { class: "pin" }, "pinned") : null),
       el("td", {}, m.kind),
