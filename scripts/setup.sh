@@ -18,6 +18,23 @@ stamp_of() {
     { cat pyproject.toml scripts/models.txt scripts/setup.sh; echo "${ELBOWROOM_EXTRAS:-}"; } |
         sha256sum | cut -d' ' -f1
 }
+# --- dashboard browser tests (issue 12; block added by the issue-12 helper) ---------------
+# tests/e2e/test_dashboard_browser.py drives Debian's headless Chromium through Playwright
+# (which must not download a browser of its own). Installed where we are root with apt;
+# elsewhere that test skips and says why. Checked on every run: it is not part of the venv.
+if ! command -v chromium >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "elbowroom setup: installing chromium (for the dashboard's browser test)" >&2
+        if ! { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } \
+            >/dev/null 2>&1; then
+            echo "elbowroom setup: could not install chromium; the browser test will skip" >&2
+        fi
+    else
+        echo "elbowroom setup: no chromium (installing it needs root and apt); the browser test will skip" >&2
+    fi
+fi
+# --- end of the dashboard block ----------------------------------------------------------
+
 want=$(stamp_of)
 if [ -f "$VENV/.elbowroom-setup" ] && [ "$(cat "$VENV/.elbowroom-setup")" = "$want" ]; then
     exit 0
