@@ -410,8 +410,7 @@ def _slot_key(body: dict[str, Any]) -> str:
     if not isinstance(messages, list):
         return str(body.get("prompt", messages))
     return "\n".join(
-        f"{m.get('role')}: {m.get('content')}" if isinstance(m, dict) else str(m)
-        for m in messages
+        f"{m.get('role')}: {m.get('content')}" if isinstance(m, dict) else str(m) for m in messages
     )
 
 
