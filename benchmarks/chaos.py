@@ -27,6 +27,7 @@ import contextlib
 import io
 import itertools
 import json
+import math
 import os
 import platform
 import random
@@ -566,7 +567,7 @@ def summarize(r: Run) -> dict[str, Any]:
         "failed": outcomes.count("failed"),
         "failed_by_type": failed_types,
         "p50_s": round(statistics.median(lat), 3) if lat else None,
-        "p95_s": round(lat[int(0.95 * (len(lat) - 1))], 3) if lat else None,
+        "p95_s": round(lat[math.ceil(0.95 * len(lat)) - 1], 3) if lat else None,  # nearest rank
         "peak_usage": peak,
         "limit": r.limit,
         "peak_fraction": round(peak / r.limit, 3),
