@@ -328,7 +328,7 @@ def long_prompt(rng: random.Random) -> str:
 def client(
     url: str, wav: bytes, rng: random.Random, stop_at: float, start: float, out: list[Result]
 ) -> None:
-    api = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=45)
+    api = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
     weights = [w for *_, w in MIX]
     while time.monotonic() < stop_at:
         endpoint, model, _ = rng.choices(MIX, weights)[0]
@@ -450,7 +450,7 @@ def run(seed: int, mode: str, home: Path, setup: Setup, wav: bytes) -> Run:
         for t in threads:
             t.start()
         for t in threads[1:]:
-            t.join(timeout=setup.duration + 60)  # a request times out after 45 s
+            t.join(timeout=setup.duration + 45)  # a request times out after 30 s
         stop.set()
         threads[0].join(timeout=10)
         out.server_died = server.proc.poll() is not None
