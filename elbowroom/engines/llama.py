@@ -65,6 +65,7 @@ class LlamaEngine:
         self._seed: int | None = None
         self._pressure: Callable[[], int] = lambda: 0
         self._slot_pool: Slots | None = None
+        self._cache_grant = 0  # bytes the engine's RAM prompt cache may hold
         self._block = 1  # cached_tokens are reported in whole blocks of this many tokens
         self._lock = threading.Lock()
         self._active = 0
@@ -119,6 +120,7 @@ class LlamaEngine:
         # The RAM prompt cache is a grant from elbowroom's budget; the engine's default
         # (8 GiB) must never apply unbudgeted.
         params.cache_ram_mib = max(0, int(options.get("cache_ram_bytes", 0)) // (1 << 20))
+        self._cache_grant = params.cache_ram_mib << 20
         params.n_gpu_layers = int(options.get("n_gpu_layers", 0))
         if options.get("main_gpu") is not None:
             params.main_gpu = int(options["main_gpu"])
@@ -179,10 +181,22 @@ class LlamaEngine:
             "slots": self._slots,
             "slots_busy": active,
             "requests_served": served,
+            "prompt_cache_grant": self._cache_grant,
         }
         if self._slot_pool is not None:
             out["kv_cache"] = self._slot_pool.stats()
         return out
+
+    def relieve(self, level: int) -> None:
+        """Pressure rose to ``level``: save the idle slots' states to the disk tier, so that
+        the unload that soft pressure may bring next loses no prefix. (The engine's RAM
+        prompt cache cannot shrink while it runs: it is a budgeted grant, and it is given
+        back by unloading the runner.)"""
+        if self._slot_pool is not None and self._server is not None:
+            try:
+                self._slot_pool.save_idle()
+            except Exception:
+                log.exception("saving idle slots under pressure failed")
 
     def close(self) -> None:
         if self._slot_pool is not None and self._server is not None:
@@ -392,9 +406,12 @@ def _load_error(model: str, log_text: str, n_ctx: int, slots: int, kv: str) -> E
 
 def _slot_key(body: dict[str, Any]) -> str:
     """The request's text in order, to keep a conversation on the slot that holds it."""
-    if "messages" not in body:
-        return str(body.get("prompt", ""))
-    return "\n".join(f"{m.get('role')}: {m.get('content')}" for m in body["messages"])
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return str(body.get("prompt", messages))
+    return "\n".join(
+        f"{m.get('role')}: {m.get('content')}" if isinstance(m, dict) else str(m) for m in messages
+    )
 
 
 def _template_body(body: dict[str, Any]) -> dict[str, Any]:

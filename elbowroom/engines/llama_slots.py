@@ -176,14 +176,32 @@ class Slots:
             path.unlink(missing_ok=True)
         return True
 
+    def save_idle(self) -> int:
+        """Under pressure: the states of the slots no request runs on (they are held
+        meanwhile, so no request starts on one while it is saved)."""
+        with self._lock:
+            idle = sorted(self._free)
+            self._free.difference_update(idle)
+        try:
+            return self._save(idle)
+        finally:
+            with self._lock:
+                self._free.update(idle)
+
     def save_all(self) -> int:
         """Before the runner exits: every slot's state into the disk tier. Returns the
         number of entries written."""
+        return self._save(sorted(self._prompts))
+
+    def _save(self, slots: list[int]) -> int:
         if self._cache is None:
             return 0
         written = 0
         started = time.perf_counter()
-        for slot, (op, body) in sorted(self._prompts.items()):
+        for slot in slots:
+            if slot not in self._prompts:
+                continue
+            op, body = self._prompts[slot]
             name = f"save-{slot}.bin"
             path = self._save_dir / name
             try:

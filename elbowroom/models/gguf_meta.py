@@ -13,9 +13,10 @@ negative footprint). This reader walks the header once, iteratively, over an mma
 - every number the footprint uses is checked against a plausible range (``RANGES``).
 
 Anything else is an ``InvalidModel`` naming the file and the reason; discovery lists it
-as a problem (``elbowroom ls``, ``GET /api/models``). Reading the header of a 262,144-token
-vocabulary takes ~0.1 s: the string array is skipped by its length prefixes, and its
-longest entry is kept (``max_token_bytes``, for the cheap context bound in the server).
+as a problem (``elbowroom ls``, ``GET /api/elbowroom/models``). Reading the header of a
+262,144-token vocabulary takes ~0.1 s: the string array is skipped by its length
+prefixes, and its longest entry is kept (``max_token_bytes``, for the cheap context bound
+in the server).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from elbowroom.config import Settings
 from elbowroom.errors import ElbowroomError
 from elbowroom.guard.admission import AdmissionMiddleware
 from elbowroom.memory.types import Probe
-from elbowroom.server import admin_routes, openai_routes
+from elbowroom.server import admin_routes, dashboard_routes, ollama_routes, openai_routes
 from elbowroom.server.auth import ApiKeyMiddleware, Keys
 from elbowroom.server.deps import Services
 from elbowroom.server.errors import install_error_handlers
@@ -86,6 +86,8 @@ def create_app(
     # then the body gate (content type, sizes, bounded parsing; docs/security.md).
     app.add_middleware(BodyGate, settings=settings)
     app.add_middleware(AdmissionMiddleware, guard=lambda: _guard_of(app))
+    # Outside the guard's gate, so its 503s are on the dashboard's timeline too.
+    app.add_middleware(dashboard_routes.RefusalEvents, events=lambda: _events_of(app))
     app.add_middleware(MetricsMiddleware)
     keys = Keys.from_settings(settings)
     if keys.any:
@@ -98,6 +100,8 @@ def create_app(
 
     app.include_router(openai_routes.router)
     app.include_router(admin_routes.router)
+    app.include_router(ollama_routes.router)
+    app.include_router(dashboard_routes.router)
     for name in OPTIONAL_ROUTERS:
         if _exists(name):
             app.include_router(importlib.import_module(name).router)
@@ -111,6 +115,11 @@ def _exists(module: str) -> bool:
 def _guard_of(app: FastAPI) -> Any:
     services: Services | None = getattr(app.state, "services", None)
     return services.guard if services is not None else None
+
+
+def _events_of(app: FastAPI) -> Any:
+    services: Services | None = getattr(app.state, "services", None)
+    return getattr(services.scheduler, "events", None) if services is not None else None
 
 
 async def start_services(settings: Settings, *, probe: Probe | None = None) -> Services:

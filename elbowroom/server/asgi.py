@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from starlette.types import Scope, Send
 
 from elbowroom.errors import ElbowroomError
+from elbowroom.server.ollama_shapes import error_body, is_ollama_path
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:
@@ -19,10 +20,12 @@ def header(scope: Scope, name: bytes) -> bytes | None:
 
 
 async def send_error(
-    send: Send, err: ElbowroomError, extra: Iterable[tuple[bytes, bytes]] = ()
+    scope: Scope, send: Send, err: ElbowroomError, extra: Iterable[tuple[bytes, bytes]] = ()
 ) -> None:
-    """Answer with ``err`` in the OpenAI error shape, before any route ran."""
-    body = json.dumps(err.to_openai()).encode()
+    """Answer with ``err`` before any route ran: in Ollama's error shape on its paths, in
+    OpenAI's everywhere else."""
+    ollama = is_ollama_path(scope.get("path", ""))
+    body = json.dumps(error_body(err) if ollama else err.to_openai()).encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),

@@ -2,9 +2,11 @@
 
 Keys (docs/security.md): ``api_key`` and ``api_keys`` are inference keys, one per client if
 you like; ``admin_key`` opens everything. When any key is set, every path but ``/health``
-needs one (so ``/metrics``, ``/openapi.json`` and unknown paths leak nothing), and the
-admin paths (``/api/*``, ``/metrics``, ``/openapi.json``, ``/docs``) need the admin key when
-one is set (without one, any key is an admin key, as with a single ``api_key``).
+and the dashboard's static page (``/``, ``/ui``: it holds no data, its requests carry the
+key the user types) needs one, so ``/metrics``, ``/openapi.json`` and unknown paths leak
+nothing; the admin paths (``/api/*`` except Ollama's API, ``/metrics``, ``/openapi.json``,
+``/docs``) need the admin key when one is set (without one, any key is an admin key, as
+with a single ``api_key``). Errors on Ollama's paths are in Ollama's shape.
 
 A pure ASGI middleware rather than a route dependency: it also covers routes added by other
 modules and unknown paths, so nothing leaks without the key. It also names the client
@@ -24,8 +26,10 @@ from elbowroom.config import Settings
 from elbowroom.errors import Forbidden, Unauthorized
 from elbowroom.scheduler.clients import current_client
 from elbowroom.server.asgi import header, send_error
+from elbowroom.server.ollama_shapes import is_ollama_path
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/", "/ui"})
+OPEN_PREFIXES = ("/ui/",)  # the dashboard's static files
 ADMIN_PREFIXES = ("/api", "/metrics", "/openapi.json", "/docs", "/redoc")
 CLIENT_SCOPE_KEY = "elbowroom.client"
 
@@ -65,6 +69,9 @@ class Keys:
 
 
 def admin_path(path: str) -> bool:
+    """Routes that run or reveal the server itself; Ollama's /api routes are inference."""
+    if is_ollama_path(path):
+        return False
     return any(path == p or path.startswith(p + "/") for p in ADMIN_PREFIXES)
 
 
@@ -77,7 +84,7 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] != "http" or path in OPEN_PATHS:
+        if scope["type"] != "http" or path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
             await self.app(scope, receive, send)
             return
         who = self._who(header(scope, b"authorization"))
@@ -88,6 +95,7 @@ class ApiKeyMiddleware:
                 else "Missing API key: send it as 'Authorization: Bearer <key>'"
             )
             await send_error(
+                scope,
                 send,
                 Unauthorized(problem, code="invalid_api_key"),
                 [(b"www-authenticate", b"Bearer")],
@@ -95,6 +103,7 @@ class ApiKeyMiddleware:
             return
         if who != "admin" and self.keys.admin is not None and admin_path(path):
             await send_error(
+                scope,
                 send,
                 Forbidden(
                     f"{path} is an admin route: send the admin key (admin_key), "

@@ -27,6 +27,11 @@ _TOKEN = re.compile(rb'("[^"]*")|([\[{])|([\]}])|(,)')
 _STRING, _OPEN, _CLOSE, _COMMA = 1, 2, 3, 4
 
 
+# Where a request's prompt text is: OpenAI's and Ollama's chat and completion routes.
+CHAT_PATHS = frozenset({"/v1/chat/completions", "/api/chat"})
+COMPLETION_PATHS = frozenset({"/v1/completions", "/api/generate"})
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     max_values: int
@@ -100,6 +105,9 @@ def inspect(body: bytes | bytearray, path: str, limits: Limits) -> Inspected:
     if not isinstance(value, dict):
         return Inspected(value, chars, 0)
     check_stop(value.get("stop"), limits)
+    options = value.get("options")  # Ollama's
+    if isinstance(options, dict):
+        check_stop(options.get("stop"), limits)
     return Inspected(value, chars, prompt_chars(path, value))
 
 
@@ -139,7 +147,7 @@ def check_stop(stop: Any, limits: Limits) -> None:
 
 def prompt_chars(path: str, body: dict[str, Any]) -> int:
     """Characters of the prompt text of a chat or completion request (0 for other routes)."""
-    if path.endswith("/chat/completions"):
+    if path in CHAT_PATHS:
         total = 0
         messages = body.get("messages")
         for message in messages if isinstance(messages, list) else ():
@@ -153,7 +161,7 @@ def prompt_chars(path: str, body: dict[str, Any]) -> int:
                     if isinstance(p, dict) and isinstance(p.get("text"), str)
                 )
         return total
-    if path.endswith("/completions"):
+    if path in COMPLETION_PATHS:
         prompt = body.get("prompt")
         if isinstance(prompt, str):
             return len(prompt)

@@ -5,6 +5,8 @@ its own streaming limits):
 
 1. The body must be JSON (``application/json`` or ``*/*+json``): 415 otherwise. A web
    page can send ``text/plain`` and form bodies to any site without asking; JSON it cannot.
+   Ollama's routes read any body as JSON, as Ollama does (``curl -d``); web pages are kept
+   off them by the Origin check.
 2. ``Content-Length`` above ``max_body`` is 413 before a byte is read; a chunked body is
    counted as it arrives and refused the moment it passes the limit.
 3. Bodies above ``SMALL_BODY`` share ``max_body_inflight`` bytes: past that, 503 +
@@ -38,14 +40,22 @@ from elbowroom.errors import (
 )
 from elbowroom.models.spec import GGUFInfo, ModelKind, ModelSpec
 from elbowroom.server.asgi import header, send_error
-from elbowroom.server.jsonscan import Inspected, Limits, inspect, min_tokens
+from elbowroom.server.jsonscan import (
+    CHAT_PATHS,
+    COMPLETION_PATHS,
+    Inspected,
+    Limits,
+    inspect,
+    min_tokens,
+)
+from elbowroom.server.ollama_shapes import is_ollama_path
 from elbowroom.units import format_size
 
 log = logging.getLogger("elbowroom.server")
 
 UPLOAD_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
-TEXT_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+TEXT_PATHS = CHAT_PATHS | COMPLETION_PATHS
 # Bodies up to this size are parsed on the event loop and not counted in flight: their
 # cost is that of any request.
 SMALL_BODY = 256 * 1024
@@ -106,7 +116,9 @@ class BodyGate:
             return
         held = 0
         try:
-            if declared is not None:
+            # Ollama reads any body as JSON (its docs use plain `curl -d`): so do its routes.
+            json_only = not is_ollama_path(path)
+            if declared is not None and json_only:
                 _check_media_type(header(scope, b"content-type"))
                 if declared > self.settings.max_body:
                     raise self._too_large(declared)
@@ -117,13 +129,13 @@ class BodyGate:
             if not body:
                 await self.app(scope, _replay(body, receive), send)
                 return
-            if declared is None:
+            if declared is None and json_only:
                 _check_media_type(header(scope, b"content-type"))
             checked = await self._inspect(body, path)
             self._check_context(scope, path, checked)
         except ElbowroomError as err:
             self.inflight.give(held)
-            await send_error(send, err)
+            await send_error(scope, send, err)
             return
         try:
             await self.app(scope, _replay(body, receive), send)
@@ -188,6 +200,8 @@ class BodyGate:
         if services is None or not isinstance(body, dict):
             return
         model = body.get("model") or self.settings.default_model
+        if isinstance(model, str) and is_ollama_path(path):
+            model = model.removesuffix(":latest")  # Ollama's tag; the catalog has no tags
         try:
             spec = services.catalog.get(model) if isinstance(model, str) else None
         except ModelNotFound:
@@ -206,7 +220,7 @@ def check_prompt_fits(spec: ModelSpec | None, settings: Settings, chars: int, pa
     tokens = min_tokens(chars, per_token)
     if tokens <= ceiling:
         return
-    param = "messages" if path.endswith("/chat/completions") else "prompt"
+    param = "messages" if path in CHAT_PATHS else "prompt"
     raise ContextOverflow(
         f"The prompt has {chars} characters, so at least {tokens} tokens for {spec.id} "
         f"(no token of its vocabulary spells more than {per_token} characters), but its "

@@ -160,6 +160,7 @@ class OriginMiddleware:
         host = raw_host.decode("latin-1") if raw_host is not None else None
         if not self.policy.host_allowed(host):
             await send_error(
+                scope,
                 send,
                 Forbidden(
                     f"Host {host!r} is not allowed: this server answers to its loopback names "
@@ -174,13 +175,13 @@ class OriginMiddleware:
         if raw_origin is None:
             site = header(scope, b"sec-fetch-site")
             if site in _CROSS_SITE and method not in _SAFE_METHODS:
-                await send_error(send, _cross_origin(f"a {site.decode()} page"))
+                await send_error(scope, send, _cross_origin(f"a {site.decode()} page"))
                 return
             await self.app(scope, receive, send)
             return
         origin = raw_origin.decode("latin-1")
         if not self.policy.origin_allowed(origin, host):
-            await send_error(send, _cross_origin(f"origin {origin!r}"))
+            await send_error(scope, send, _cross_origin(f"origin {origin!r}"))
             return
         if not (self.policy.cors and self.policy.listed(origin)):
             await self.app(scope, receive, send)

@@ -98,7 +98,7 @@ def test_no_route_answers_500_or_hangs(fuzz_server: ServerProcess) -> None:
 
 @pytest.mark.slow
 def test_the_schema_and_metrics_need_the_admin_key(fuzz_server: ServerProcess) -> None:
-    for path in ("/openapi.json", "/metrics", "/api/ps"):
+    for path in ("/openapi.json", "/metrics", "/api/elbowroom/ps"):
         assert httpx.get(fuzz_server.url + path, timeout=30).status_code == 401
         user = {"Authorization": "Bearer fuzz-user"}
         r = httpx.get(fuzz_server.url + path, headers=user, timeout=30)

@@ -336,7 +336,7 @@ def test_crafted_ggufs_are_listed_as_problems_and_serve_starts(
     server: ServerProcess, models: tuple[Path, dict[str, str]]
 ) -> None:
     folder, expected = models
-    listing = httpx.get(server.url + "/api/models", timeout=30).json()
+    listing = httpx.get(server.url + "/api/elbowroom/models", timeout=30).json()
     reasons = {Path(p["path"]).name: p["reason"] for p in listing["problems"]}
     assert set(reasons) == set(expected)
     for name, why in expected.items():

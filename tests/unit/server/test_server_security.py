@@ -205,7 +205,15 @@ def get(h: Harness, path: str, key: str | None) -> int:
 
 
 @pytest.mark.parametrize(
-    "path", ["/api/ps", "/api/memory", "/api/models", "/metrics", "/openapi.json"]
+    "path",
+    [
+        "/api/elbowroom/ps",
+        "/api/memory",
+        "/api/elbowroom/models",
+        "/api/guard",
+        "/metrics",
+        "/openapi.json",
+    ],
 )
 def test_admin_paths_need_the_admin_key(keyed: Harness, path: str) -> None:
     assert get(keyed, path, None) == 401
