@@ -290,3 +290,20 @@ def test_refusals_are_400s_naming_the_param(client: openai.OpenAI, server: Serve
     )
     # ... and the server still answers.
     assert server.http().get("/health").json() == {"status": "ok"}
+
+
+def test_logprobs_on_a_model_without_chat_template(client: openai.OpenAI) -> None:
+    """gemma3-270m has no chat template: chat runs through the completion endpoint, which
+    names logprobs differently; they must still come back."""
+    if "gemma3-270m" not in {m.id for m in client.models.list().data}:
+        pytest.skip("the gemma3 chunk packages are not installed")
+    out = client.chat.completions.create(
+        model="gemma3-270m",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=2,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.content and all(len(t.top_logprobs) == 2 for t in lp.content)
