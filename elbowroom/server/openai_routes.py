@@ -174,6 +174,28 @@ async def _collect(generation: Generation) -> dict[str, Any]:
     raise ElbowroomError("the runner ended the request without a result")
 
 
+def _late_chunk(
+    envelope: Envelope,
+    done: dict[str, Any],
+    view: Logprobs | None,
+    streamed_logprobs: int,
+    streamed_calls: bool,
+    include_usage: bool,
+) -> dict[str, Any] | None:
+    """What the engine reported only with its result (emulated tool calls are parsed from
+    the whole reply), as one chunk before the last, so a stream adds up to the whole answer."""
+    entries = list(done.get("logprobs") or ())[streamed_logprobs:] if view is not None else []
+    calls = None if streamed_calls else done.get("tool_calls")
+    if not entries and not calls:
+        return None
+    return envelope.chunk(
+        None,
+        include_usage=include_usage,
+        tool_calls=[{"index": i, **c} for i, c in enumerate(calls)] if calls else None,
+        logprobs=view.render(entries) if view is not None and entries else None,
+    )
+
+
 async def _stream(
     generation: Generation, envelope: Envelope, include_usage: bool, view: Logprobs | None
 ) -> AsyncIterator[bytes]:
@@ -186,23 +208,11 @@ async def _stream(
         async for item in generation.events():
             if item.get("type") == "done":
                 record_tokens(envelope.model, item.get("usage"))
-                # Whatever the engine only reports at the end (emulated tool calls parse the
-                # whole reply) still reaches the stream, so its chunks add up to the whole.
-                late_logprobs = list(item.get("logprobs") or ())[streamed_logprobs:]
-                late_calls = None if streamed_calls else item.get("tool_calls")
-                if (view is not None and late_logprobs) or late_calls:
-                    yield sse(
-                        envelope.chunk(
-                            None,
-                            include_usage=include_usage,
-                            tool_calls=[{"index": i, **c} for i, c in enumerate(late_calls)]
-                            if late_calls
-                            else None,
-                            logprobs=view.render(late_logprobs)
-                            if view is not None and late_logprobs
-                            else None,
-                        )
-                    )
+                late = _late_chunk(
+                    envelope, item, view, streamed_logprobs, streamed_calls, include_usage
+                )
+                if late is not None:
+                    yield sse(late)
                 finish = item.get("finish_reason")
                 yield sse(envelope.chunk(None, finish, include_usage=include_usage))
                 if include_usage:
