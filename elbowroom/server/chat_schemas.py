@@ -27,7 +27,7 @@ _PART_PAYLOAD = {
     "refusal": "refusal",
 }
 # Which part types each role may send (OpenAI's rules); which of them a model can read is
-# the route's question (openai_routes.refuse_unreadable_parts).
+# the route's question (openai_routes._check_for_model).
 _PARTS_FOR_ROLE: dict[str, frozenset[str]] = {
     "system": frozenset({"text"}),
     "developer": frozenset({"text"}),
