@@ -361,7 +361,10 @@ class LlamaEngine:
             body["stop"] = [*body.get("stop", []), *FALLBACK_STOPS]
             if "response_format" in body:
                 body["json_schema"] = _schema_of(body.pop("response_format"))
-            body.pop("logprobs", None)
+            # The completion endpoint takes chat's logprobs as n_probs (alternatives).
+            top = body.pop("top_logprobs", None)
+            if body.pop("logprobs", None):
+                body["n_probs"] = max(1, int(top or 1))
         return body, emulated
 
 
