@@ -1,10 +1,12 @@
-"""Layouts of the synthetic models measured on the device (.gpu/tools/synth2.py shapes)."""
+"""Layouts of the synthetic models measured on the device (benchmarks/gpu_synth.py shapes)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any
+
+from gpu_synth import SHAPES
 
 from elbowroom.models.gguf_meta import tensor_bytes_by_layer
 from elbowroom.models.offload import Layout
@@ -14,7 +16,7 @@ VOCAB = 49152  # SmolLM2's tokenizer, which the synthetic models carry
 
 
 def synth_tensors(shape: dict[str, Any]) -> list[tuple[str, int]]:
-    """(name, bytes) of the tensors .gpu/tools/synth2.py writes (f16 matrices, f32 vectors)."""
+    """(name, bytes) of the tensors gpu_synth.py writes (f16 matrices, f32 vectors)."""
     L, E, H, KV, FF = (shape[k] for k in ("layers", "embd", "heads", "kv_heads", "ffn"))
     kv = KV * (E // H)
     out = [("token_embd.weight", VOCAB * E * 2), ("output_norm.weight", E * 4)]
@@ -53,11 +55,21 @@ def synth_layout(shape: dict[str, Any]) -> Layout:
     )
 
 
-def calib() -> dict[str, Any]:
-    data: dict[str, Any] = json.loads((FIX / "h200_calib.json").read_text())
-    return data
+def shape_of(name: str) -> dict[str, Any]:
+    """A synthetic model's shape by name ("llama1b", "qwen05b", "qwen3b", "llama8b")."""
+    arch, layers, embd, heads, kv, ffn, tied = SHAPES[name.removesuffix(".gguf")]
+    keys = ("arch", "layers", "embd", "heads", "kv_heads", "ffn", "tied")
+    return dict(zip(keys, (arch, layers, embd, heads, kv, ffn, tied), strict=True))
 
 
 def shape(name: str) -> Layout:
-    """The layout of a model recorded in h200_calib.json ("llama1b.gguf", "qwen05b.gguf")."""
-    return synth_layout(calib()["models"][name])
+    return synth_layout(shape_of(name))
+
+
+def recorded(name: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((FIX / name).read_text())
+    return data
+
+
+def calib() -> dict[str, Any]:
+    return recorded("h200_calib.json")

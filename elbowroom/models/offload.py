@@ -9,6 +9,7 @@ cache lives with the block. Per GPU in use:
     gpu bytes = weights of its units + KV of its blocks × context tokens
                 + CUDA_DEVICE_BASE + activations + mask (+ logits on the output's device)
                 (+ one FFN matrix when blocks stay on the CPU: op offload copies it over)
+                (+ SPLIT_FIRST_EXTRA on the first GPU of a split over several)
     activations = 16 × ubatch × (n_ff + n_embd)     mask = 2 × ubatch × n_ctx per slot
     logits      = 4 × ubatch × n_vocab
 
@@ -17,7 +18,8 @@ n_batch = n_ubatch = 512) with NVML's device memory before and after a load plus
 generation, over two architectures (llama 1.1 B and qwen2 0.5 B), contexts 2,048 and 8,192
 per slot and 1 or 8 slots: the residual after weights and KV was linear in the context per
 slot (not in slots: each slot attends only to its own cells) with the terms above, within
-0.5 MB. ``benchmarks/results/gpu.md`` has the numbers and the check on larger models.
+0.5 MB. Checked through elbowroom's server on two more models (qwen2 3 B, llama 8 B): all
+16 loads within 0.3 %. ``benchmarks/results/gpu.md`` has the numbers.
 
 Host bytes with a CUDA build: the weights left on the CPU are file-backed (mmap), the CUDA
 libraries add ``CUDA_RUNTIME_FILE``, and the runtime's host allocations
@@ -51,9 +53,12 @@ MASK_BYTES = 2  # f16 KQ mask: × ubatch × context per slot
 # Host side of a CUDA runner: the CUDA libraries' mapped pages and their host allocations.
 CUDA_RUNTIME_FILE = 216 * MiB
 CUDA_HOST_ANON = 240 * MiB
-# Several GPUs in a layer split run as a pipeline: llama.cpp keeps this many copies of
-# the compute buffers (GGML_SCHED_MAX_COPIES) when every unit is offloaded.
-PIPELINE_COPIES = 4
+# Compute buffers per GPU of a split. llama.cpp can keep up to 4 copies for pipeline
+# parallelism; splits measured on two H200s showed one (benchmarks/results/gpu.md).
+PIPELINE_COPIES = 1
+# The first GPU of a split held 148-195 MB more than its layers and buffers in the three
+# splits measured on two H200s (llama 1.1 B, qwen2 3 B, llama 8 B); fitted, not explained.
+SPLIT_FIRST_EXTRA = 160 * MiB
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +174,8 @@ def split_bytes(
         if i == out_dev:
             compute += LOGIT_BYTES * UBATCH * layout.n_vocab
         gpu[i] += CUDA_DEVICE_BASE + compute * copies
+    if len(used) > 1:
+        gpu[used[0]] += SPLIT_FIRST_EXTRA
     if used and out_dev is not None and where[0] is None:
         # Blocks on the CPU: a prompt batch's matmuls are run on the GPU with the weight
         # copied over, one matrix at a time (op offload): about a quarter of a block.

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
-from gpu_layouts import shape
+from typing import Any
 
+import pytest
+from gpu_layouts import recorded, shape
+
+from elbowroom.memory.budget import BudgetConfig
+from elbowroom.memory.pools import memory_pools
+from elbowroom.memory.types import GpuMemory, Snapshot
 from elbowroom.models.offload import split_bytes
 from elbowroom.scheduler.placement import GpuRoom, gpu_context, place, unified
 from elbowroom.units import GiB, MiB
@@ -95,3 +100,24 @@ def test_unified_memory_offloads_to_metal(layers: int | None, mode: str) -> None
     if mode != "cpu":
         assert p.engine_options() == {"n_gpu_layers": layers if layers and layers > 0 else 25}
         assert p.pool_bytes == {}
+
+
+@pytest.mark.parametrize("row", recorded("h200x2_splits.json")["splits"], ids=lambda r: r["model"])
+def test_recorded_unequal_gpus_get_the_split_that_was_measured(row: dict[str, Any]) -> None:
+    # NVML as recorded on two H200s that other processes had filled unequally.
+    gpus = tuple(
+        GpuMemory(d["index"], d["name"], d["total"], d["free"], d["used"])
+        for d in row["nvml"]["devices"]
+    )
+    snap = Snapshot("linux", 256 * GiB, 250 * GiB, 6 * GiB, 256 * GiB, 250 * GiB, gpus=gpus)
+    pools = memory_pools(snap, 0, {}, BudgetConfig())
+    rooms = [GpuRoom(p.device or 0, p.ceiling) for p in pools if p.kind == "gpu"]
+    assert rooms[0].room < rooms[1].room  # unequal free memory
+    layout = shape(row["model"])
+    # Neither GPU holds the model alone; the split follows their room, as it did there.
+    assert split_bytes(layout, row["ctx"], row["slots"], "f16", [layout.units]).gpu[0] > max(
+        r.room for r in rooms
+    )
+    p = place(layout, row["ctx"], row["slots"], "f16", rooms)
+    assert p.mode == "gpu" and p.devices == (0, 1)
+    assert list(p.counts) == row["layers_per_device"]
