@@ -63,6 +63,16 @@ def register(sub: Any) -> None:
         q.add_argument("--api-key", default=os.environ.get("ELBOWROOM_API_KEY"))
         if name != "ps":
             q.add_argument("model", help="model id (see elbowroom ls)")
+        else:
+            q.add_argument(
+                "--watch",
+                action="store_true",
+                help="redraw every second: memory pools, models, recent events (Ctrl-C ends)",
+            )
+            q.add_argument(
+                "--interval", type=float, default=1.0, help="seconds between redraws (1)"
+            )
+            q.add_argument("--count", type=int, default=None, help=argparse.SUPPRESS)
         if name == "load":
             pin = q.add_mutually_exclusive_group()
             pin.add_argument(
@@ -230,7 +240,16 @@ def _budget_line(report: dict[str, Any]) -> str:
 
 
 def cmd_ps(args: argparse.Namespace) -> int:
-    data = _call(args, "GET", "/api/ps")
+    if args.watch:
+        from elbowroom.cli.watch import watch
+
+        return watch(
+            lambda: _call(args, "GET", "/api/elbowroom/dashboard"),
+            interval=max(0.1, args.interval),
+            as_json=args.json,
+            count=args.count,
+        )
+    data = _call(args, "GET", "/api/elbowroom/ps")
     if data is None:
         return 1
     if args.json:

@@ -24,6 +24,7 @@ from typing import Any
 
 from elbowroom.engines.base import Cancelled, Emit
 from elbowroom.engines.llama_control import EngineControl
+from elbowroom.engines.llama_slots import Slots
 from elbowroom.engines.llama_stream import StreamState
 from elbowroom.engines.llama_tools import parse as parse_tool_reply
 from elbowroom.engines.llama_tools import plan as plan_tools
@@ -36,6 +37,7 @@ from elbowroom.errors import (
     MemoryPressure,
     Unavailable,
 )
+from elbowroom.kvcache import CacheKey
 from elbowroom.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,9 @@ class LlamaEngine:
         self._max_tokens_cap: int | None = None
         self._seed: int | None = None
         self._pressure: Callable[[], int] = lambda: 0
+        self._slot_pool: Slots | None = None
+        self._cache_grant = 0  # bytes the engine's RAM prompt cache may hold
+        self._block = 1  # cached_tokens are reported in whole blocks of this many tokens
         self._lock = threading.Lock()
         self._active = 0
         self._served = 0
@@ -100,6 +105,12 @@ class LlamaEngine:
         self._chat_template = bool(spec.gguf is not None and spec.gguf.has_chat_template)
 
         control = self._control = EngineControl()
+        version = str(getattr(xllamacpp, "__version__", "?"))
+        key = CacheKey(spec.identity, self._n_ctx, kv_type, engine=f"xllamacpp {version}")
+        slots = self._slot_pool = Slots.create(control, self._slots, key, options)
+        # Reported cached_tokens are rounded down to whole cache blocks: exact counts would
+        # let one client probe, token by token, what another client's prompt began with.
+        self._block = slots.block_tokens
         params = xllamacpp.CommonParams()
         params.model.path = str(spec.path)
         params.n_ctx = self._n_ctx * self._slots  # each slot owns n_ctx (kv_unified off)
@@ -123,6 +134,7 @@ class LlamaEngine:
         # The RAM prompt cache is a grant from elbowroom's budget; the engine's default
         # (8 GiB) must never apply unbudgeted.
         params.cache_ram_mib = max(0, int(options.get("cache_ram_bytes", 0)) // (1 << 20))
+        self._cache_grant = params.cache_ram_mib << 20
         params.n_gpu_layers = int(options.get("n_gpu_layers", 0))
         if options.get("main_gpu") is not None:
             params.main_gpu = int(options["main_gpu"])
@@ -134,8 +146,7 @@ class LlamaEngine:
         params.ctx_shift = False  # a full context ends the reply ("length"); nothing is dropped
         params.hostnames = [control.socket]
         params.api_keys = [control.key]
-        if options.get("slot_save_path"):
-            params.slot_save_path = str(options["slot_save_path"])
+        params.slot_save_path = slots.save_path
         params.endpoint_metrics = True
         params.verbosity = 0 if options.get("log_level", "info") != "debug" else 3
         if not spec.path.is_file():
@@ -167,7 +178,7 @@ class LlamaEngine:
             "chat_template": self._chat_template,
             "native_tools": self._native_tools,
             "cache_ram_mib": params.cache_ram_mib,
-            "engine": "xllamacpp " + str(getattr(xllamacpp, "__version__", "?")),
+            "engine": f"xllamacpp {version}",
         }
 
     def _props(self) -> dict[str, Any]:
@@ -182,9 +193,33 @@ class LlamaEngine:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             active, served = self._active, self._served
-        return {"slots": self._slots, "slots_busy": active, "requests_served": served}
+        out: dict[str, Any] = {
+            "slots": self._slots,
+            "slots_busy": active,
+            "requests_served": served,
+            "prompt_cache_grant": self._cache_grant,
+        }
+        if self._slot_pool is not None:
+            out["kv_cache"] = self._slot_pool.stats()
+        return out
+
+    def relieve(self, level: int) -> None:
+        """Pressure rose to ``level``: save the idle slots' states to the disk tier, so that
+        the unload that soft pressure may bring next loses no prefix. (The engine's RAM
+        prompt cache cannot shrink while it runs: it is a budgeted grant, and it is given
+        back by unloading the runner.)"""
+        if self._slot_pool is not None and self._server is not None:
+            try:
+                self._slot_pool.save_idle()
+            except Exception:
+                log.exception("saving idle slots under pressure failed")
 
     def close(self) -> None:
+        if self._slot_pool is not None and self._server is not None:
+            try:
+                self._slot_pool.save_all()  # the disk tier outlives this process
+            except Exception:
+                log.exception("saving slot states to the KV disk tier failed")
         server, self._server = self._server, None
         del server  # the binding's destructor stops the engine loop and joins its thread
         if self._control is not None:
@@ -209,14 +244,21 @@ class LlamaEngine:
         chat = op == "chat" and "messages" in body
         state = StreamState(chat=chat)
         stopped: list[str] = []
+        pool = self._slot_pool
+        assert pool is not None
+        slot = pool.acquire(_slot_key(body))
+        body["id_slot"] = slot
         with self._lock:
             self._active += 1
         try:
+            pool.prepare(slot, "chat" if chat else "completion", _template_body(body))
             self._call(chat, body, state, emit, cancelled, stopped, emulated)
         finally:
+            pool.release(slot)
             with self._lock:
                 self._active -= 1
                 self._served += 1
+        pool.observe_prefill(state.timings)
         if state.error is not None:
             raise _translate(state.error)
         if stopped and stopped[0] == "pressure":
@@ -226,6 +268,8 @@ class LlamaEngine:
                 code="memory_pressure",
             )
         result = state.result("cancelled" if stopped else None)
+        usage = result["usage"]
+        usage["cached_tokens"] -= usage["cached_tokens"] % self._block
         if emulated:
             content, calls = parse_tool_reply(result["text"])
             result["text"] = content
@@ -374,6 +418,22 @@ def _load_error(model: str, log_text: str, n_ctx: int, slots: int, kv: str) -> E
             code="engine_load_failed",
         )
     return EngineError(f"llama.cpp could not load {model}: {detail}")
+
+
+def _slot_key(body: dict[str, Any]) -> str:
+    """The request's text in order, to keep a conversation on the slot that holds it."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return str(body.get("prompt", messages))
+    return "\n".join(
+        f"{m.get('role')}: {m.get('content')}" if isinstance(m, dict) else str(m) for m in messages
+    )
+
+
+def _template_body(body: dict[str, Any]) -> dict[str, Any]:
+    """What /apply-template needs to render the prompt the engine will see."""
+    keep = ("messages", "tools", "tool_choice", "prompt")
+    return {k: v for k, v in body.items() if k in keep}
 
 
 def _schema_of(fmt: dict[str, Any]) -> dict[str, Any]:

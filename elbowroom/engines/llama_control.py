@@ -12,6 +12,7 @@ from __future__ import annotations
 import http.client
 import json
 import secrets
+import shutil
 import socket
 import tempfile
 from pathlib import Path
@@ -63,6 +64,4 @@ class EngineControl:
             conn.close()
 
     def cleanup(self) -> None:
-        for p in self.dir.glob("*"):
-            p.unlink(missing_ok=True)
-        self.dir.rmdir()
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -148,7 +148,11 @@ class _Worker:
                 if flag is not None:
                     flag.set()
             elif op == "pressure":
-                self.level = int(msg["level"])
+                previous, self.level = self.level, int(msg["level"])
+                relieve = getattr(self.engine, "relieve", None)
+                if relieve is not None and self.level > previous and self.loaded.is_set():
+                    # Off the reader thread: saving state takes disk time.
+                    threading.Thread(target=relieve, args=(self.level,), daemon=True).start()
             elif op == "stats":
                 self._send({"event": "stats", "data": self._stats()})
             elif op == "stop":

@@ -3,16 +3,20 @@
 
 from __future__ import annotations
 
+import os
+import stat
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import psutil
 import pytest
 from bundled_models import bundled_spec
 
 from elbowroom.config import Settings
 from elbowroom.engines.llama import FALLBACK_STOPS, LlamaEngine, _fallback_prompt
+from elbowroom.engines.llama_control import _UnixConnection
 from elbowroom.errors import BadRequest, ContextOverflow, MemoryPressure
 from elbowroom.models.spec import ModelSpec
 
@@ -48,6 +52,7 @@ def engine(pressure: Pressure) -> Iterator[LlamaEngine]:
         "pressure": pressure,
         "cache_ram_bytes": 32 << 20,
         "threads": 2,
+        "kv_block_tokens": 4,
     }
     facts = eng.load(bundled_spec("smollm2-135m"), options)
     assert facts["n_ctx"] == N_CTX and facts["slots"] == SLOTS
@@ -221,7 +226,13 @@ def gemma(gemma_settings: Settings | None) -> ModelSpec:
 def test_a_model_without_chat_template_still_chats(gemma: ModelSpec) -> None:
     eng = LlamaEngine()
     try:
-        options = {"n_ctx": N_CTX, "slots": 1, "kv_type": "q8_0", "cache_ram_bytes": 32 << 20}
+        options = {
+            "n_ctx": N_CTX,
+            "slots": 1,
+            "kv_type": "q8_0",
+            "cache_ram_bytes": 32 << 20,
+            "kv_block_tokens": 4,
+        }
         facts = eng.load(gemma, options)
         assert facts["chat_template"] is False and facts["kv_type"] == "q8_0"
         payload = chat("What is the capital of France?", max_tokens=24)
@@ -233,3 +244,20 @@ def test_a_model_without_chat_template_still_chats(gemma: ModelSpec) -> None:
         assert second["usage"]["cached_tokens"] > 0
     finally:
         eng.close()
+
+
+@pytest.mark.slow
+def test_the_engines_own_listener_is_private(engine: LlamaEngine) -> None:
+    """llama.cpp's server engine always listens: on a Unix socket in a 0700 directory, with
+    a random key, and never on a TCP port."""
+    control = engine._control
+    assert control is not None
+    assert stat.S_IMODE(os.stat(control.dir).st_mode) == 0o700
+    assert stat.S_ISSOCK(os.stat(control.socket).st_mode)
+    listening = [c for c in psutil.Process().net_connections(kind="inet") if c.status == "LISTEN"]
+    assert listening == []
+    conn = _UnixConnection(control.socket, 10)  # no key: refused
+    conn.request("GET", "/props")
+    assert conn.getresponse().status == 401
+    conn.close()
+    assert "chat_template" in control.request("GET", "/props")  # with the key: answered

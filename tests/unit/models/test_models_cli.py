@@ -55,11 +55,11 @@ def test_ls_json_lists_models_with_footprints(
     rows = {m["id"]: m for m in data["models"]}
     assert {"smollm2-135m", "tiny"} <= set(rows)
     smol = rows["smollm2-135m"]
-    assert smol["n_ctx"] == 8192 and smol["n_ctx_source"] == "auto"
+    assert smol["n_ctx"] == 4096 and smol["n_ctx_source"] == "auto"  # max_ctx, per slot
     assert smol["fits"] is True and smol["shortfall"] == 0
     fp = smol["footprint"]
     assert fp["total"] == fp["anonymous"] + fp["file_backed"]
-    assert fp["kv_bytes"] == 23040 * 8192
+    assert fp["kv_bytes"] == 23040 * 4096
     assert rows["tiny"]["source"] == "models_dir"
     assert data["limit"]["winner"] in {c["name"] for c in data["limit"]["candidates"]}
     assert [p["path"] for p in data["problems"]] == [str(models / "junk.gguf")]
@@ -143,8 +143,8 @@ def test_plan_text_walks_through_the_steps(
     assert code == 0
     for step in range(1, 9):
         assert f"\n{step}. " in out
-    assert "22.5 KiB/token × 8192 = 180.0 MiB" in out
-    assert "largest context that fits: 8192" in out
+    assert "22.5 KiB/token × 4096" in out
+    assert "largest context that fits: 8192 (auto-sizing stops at max_ctx 4096)" in out
 
 
 def test_plan_that_cannot_fit_exits_1_with_the_numbers(
