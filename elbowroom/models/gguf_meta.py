@@ -9,6 +9,7 @@ merges) by their length prefixes, recording only their element count: ~0.1 s for
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +176,9 @@ def _info(reader: _HeaderReader, path: Path) -> GGUFInfo:
     )
     templates = [k for k in reader.fields if k.startswith("tokenizer.chat_template")]
     name = _field(reader, "general.name")
+    layers, input_bytes, output_bytes = tensor_bytes_by_layer(
+        ((t.name, int(t.n_bytes)) for t in reader.tensors), n_layers
+    )
     return GGUFInfo(
         architecture=arch,
         name=name if isinstance(name, str) else path.stem,
@@ -192,4 +196,41 @@ def _info(reader: _HeaderReader, path: Path) -> GGUFInfo:
         n_params=sum(int(t.n_elements) for t in reader.tensors) or None,
         kv_heads_per_layer=None if uniform else kv_heads,
         n_vocab=n_vocab,
+        layer_bytes=layers,
+        input_bytes=input_bytes,
+        output_bytes=output_bytes,
+        n_ff=_int(reader, f"{arch}.feed_forward_length") or None,
     )
+
+
+def tensor_bytes_by_layer(
+    tensors: Iterable[tuple[str, int]], n_layers: int
+) -> tuple[tuple[int, ...] | None, int, int]:
+    """(bytes per block, input layer bytes, output layer bytes) from (name, bytes) pairs.
+
+    llama.cpp keeps the input layer (token embeddings) on the CPU and offloads the output
+    layer with the last blocks. A model without ``output.weight`` ties its output to the
+    token embeddings, and llama.cpp loads a second copy of them into the output layer.
+    """
+    blocks = [0] * n_layers
+    input_bytes = output_bytes = embd = 0
+    has_output = seen = False
+    for name, nbytes in tensors:
+        seen = True
+        if name.startswith("blk."):
+            index = name.split(".", 2)[1]
+            if index.isdigit() and int(index) < n_layers:
+                blocks[int(index)] += nbytes
+                continue
+        if name.startswith("output"):
+            output_bytes += nbytes
+            has_output = has_output or name == "output.weight"
+            continue
+        if name == "token_embd.weight":
+            embd = nbytes
+        input_bytes += nbytes
+    if not seen:
+        return None, 0, 0
+    if not has_output:
+        output_bytes += embd
+    return tuple(blocks), input_bytes, output_bytes

@@ -46,6 +46,14 @@ class GGUFInfo:
     # e.g. recurrent layers); None when every layer has n_kv_heads.
     kv_heads_per_layer: tuple[int, ...] | None = None
     n_vocab: int | None = None
+    # Tensor bytes by where llama.cpp puts them (GPU offload placement): each repeating
+    # block ``blk.N.*``; the input layer (token embeddings: always on the CPU); the output
+    # layer (output norm + output matrix, or a copy of the token embeddings when the output
+    # is tied to them). None when the file lists no tensors.
+    layer_bytes: tuple[int, ...] | None = None
+    input_bytes: int = 0
+    output_bytes: int = 0
+    n_ff: int | None = None  # feed-forward width (the compute buffer grows with it)
 
 
 @dataclass(frozen=True, slots=True)
