@@ -17,7 +17,16 @@ from elbowroom.server.deps import get_services, parse_keep_alive
 from elbowroom.server.metrics import record_tokens
 from elbowroom.server.schemas import ChatCompletionRequest, CompletionRequest
 from elbowroom.server.shapes import Envelope, Kind, Logprobs
-from elbowroom.server.sse import DONE, Generation, ManagedStream, open_generation, sse
+from elbowroom.server.sse import (
+    DONE,
+    ClientGone,
+    Generation,
+    ManagedStream,
+    gone_response,
+    open_generation,
+    sse,
+    unless_client_leaves,
+)
 
 log = logging.getLogger("elbowroom.server")
 
@@ -100,7 +109,11 @@ async def _generate(
     if body.stream:
         return ManagedStream(_stream(generation, envelope, body.include_usage(), view))
     try:
-        done = await _collect(generation)
+        done = await unless_client_leaves(request, _collect(generation))
+    except ClientGone:
+        log.info("client went away before its answer: cancelled %s on %s", envelope.id, spec.id)
+        await generation.release()
+        return gone_response()
     except BaseException as exc:
         await generation.release(exc)
         raise
