@@ -108,6 +108,10 @@ class Settings:
     monitor_interval: float = 1.0
     monitor_history: float = 600.0
     unload_settle_timeout: float = 10.0  # wait this long for unloaded memory to show up
+    # --- GPUs (docs/gpu.md)
+    gpu_layers: int | None = None  # None: placed by VRAM; 0: CPU only; -1: all; N: N units
+    gpu_reserve: int | None = _size(default=None)  # None: 512 MiB up to 16 GiB cards, else 1 GiB
+    override_gpu_memory: int | None = _size(default=None)  # make every GPU look this small
     # --- uploads / inputs
     max_upload: int = _size(default=25 * 1024**2)
     max_speech_chars: int = 4096
@@ -242,6 +246,8 @@ def _validate(s: Settings) -> None:
             raise ConfigError(f"model_slots entries are ID=N with N >= 1, not {item!r}")
     if s.ctx is not None and s.ctx < 16:
         raise ConfigError(f"ctx {s.ctx} is too small (minimum 16)")
+    if s.gpu_layers is not None and s.gpu_layers < -1:
+        raise ConfigError(f"gpu_layers is -1 (all), 0 (CPU) or a count, not {s.gpu_layers}")
     if not 0 < s.queue_share <= 1:
         raise ConfigError(f"queue_share must be in (0, 1], not {s.queue_share}")
     for name in ("max_body", "max_body_inflight", "max_json_values", "max_json_depth"):

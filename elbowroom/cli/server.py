@@ -276,12 +276,15 @@ def cmd_ps(args: argparse.Namespace) -> int:
             format_size(m.get("bytes")),
             "yes" if m.get("pinned") else "no",
             m.get("busy", 0),
+            m.get("processor") or "-",
             m.get("expires_at") or "never",
         ]
         for m in data.get("models", [])
     ]
     if rows:
-        headers = ["MODEL", "KIND", "STATE", "PID", "MEMORY", "PINNED", "BUSY", "UNLOADS AT"]
+        headers = [
+            "MODEL", "KIND", "STATE", "PID", "MEMORY", "PINNED", "BUSY", "PROCESSOR", "UNLOADS AT"
+        ]  # fmt: skip
         print(table(headers, rows))
     else:
         print("no models loaded")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import mmap
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,7 @@ RANGES: dict[str, tuple[int, int]] = {
     "context_length": (0, 1 << 26),
     "attention.sliding_window": (0, 1 << 26),
     "vocab_size": (0, 1 << 24),
+    "feed_forward_length": (0, 1 << 24),
 }
 
 _STRING, _ARRAY = 8, 9
@@ -98,6 +100,7 @@ class Header:
     fields: dict[str, Any] = field(default_factory=dict)  # scalars, short strings, arrays
     longest: dict[str, int] = field(default_factory=dict)  # string arrays: longest entry
     n_params: int = 0
+    tensors: list[tuple[str, int]] = field(default_factory=list)  # (name, bytes) in file order
 
 
 class _Cursor:
@@ -225,7 +228,9 @@ def _tensors(cur: _Cursor, count: int, header: Header) -> None:
         if dims[0] % block:
             raise _Bad(f"tensor {name!r}: {dims[0]} is not a multiple of its block {block}")
         header.n_params += elements
-        spans.append((str(name), offset, elements // block * type_size))
+        nbytes = elements // block * type_size
+        spans.append((str(name), offset, nbytes))
+        header.tensors.append((str(name), nbytes))
     alignment = header.fields.get("general.alignment", 32)
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
         raise _Bad(f"general.alignment {alignment!r} is not a power of two")
@@ -352,6 +357,7 @@ def _info(header: Header, path: Path) -> GGUFInfo:
     name = f.get("general.name")
     tokenizer = f.get("tokenizer.ggml.model")
     file_type = f.get("general.file_type")
+    layers, input_bytes, output_bytes = tensor_bytes_by_layer(header.tensors, n_layers)
     return GGUFInfo(
         architecture=arch,
         name=name if isinstance(name, str) else path.stem,
@@ -372,4 +378,41 @@ def _info(header: Header, path: Path) -> GGUFInfo:
         n_vocab=n_vocab,
         max_token_bytes=header.longest.get("tokenizer.ggml.tokens") or None,
         tokenizer_model=tokenizer if isinstance(tokenizer, str) else None,
+        layer_bytes=layers,
+        input_bytes=input_bytes,
+        output_bytes=output_bytes,
+        n_ff=_int(header, f"{arch}.feed_forward_length", "feed_forward_length") or None,
     )
+
+
+def tensor_bytes_by_layer(
+    tensors: Iterable[tuple[str, int]], n_layers: int
+) -> tuple[tuple[int, ...] | None, int, int]:
+    """(bytes per block, input layer bytes, output layer bytes) from (name, bytes) pairs.
+
+    llama.cpp keeps the input layer (token embeddings) on the CPU and offloads the output
+    layer with the last blocks. A model without ``output.weight`` ties its output to the
+    token embeddings, and llama.cpp loads a second copy of them into the output layer.
+    """
+    blocks = [0] * n_layers
+    input_bytes = output_bytes = embd = 0
+    has_output = seen = False
+    for name, nbytes in tensors:
+        seen = True
+        if name.startswith("blk."):
+            index = name.split(".", 2)[1]
+            if index.isdigit() and int(index) < n_layers:
+                blocks[int(index)] += nbytes
+                continue
+        if name.startswith("output"):
+            output_bytes += nbytes
+            has_output = has_output or name == "output.weight"
+            continue
+        if name == "token_embd.weight":
+            embd = nbytes
+        input_bytes += nbytes
+    if not seen:
+        return None, 0, 0
+    if not has_output:
+        output_bytes += embd
+    return tuple(blocks), input_bytes, output_bytes

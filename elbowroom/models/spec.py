@@ -50,6 +50,14 @@ class GGUFInfo:
     # text any one token covers): a cheap lower bound on a prompt's tokens (server.limits).
     max_token_bytes: int | None = None
     tokenizer_model: str | None = None  # tokenizer.ggml.model: "llama" (SPM), "gpt2" (BPE)...
+    # Tensor bytes by where llama.cpp puts them (GPU offload placement): each repeating
+    # block ``blk.N.*``; the input layer (token embeddings: always on the CPU); the output
+    # layer (output norm + output matrix, or a copy of the token embeddings when the output
+    # is tied to them). None when the file lists no tensors.
+    layer_bytes: tuple[int, ...] | None = None
+    input_bytes: int = 0
+    output_bytes: int = 0
+    n_ff: int | None = None  # feed-forward width (the compute buffer grows with it)
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,10 +33,11 @@ from elbowroom.errors import (
     RunnerCrashed,
 )
 from elbowroom.memory import budget
+from elbowroom.memory.pools import Pool, memory_pools, pool_to_dict
 from elbowroom.memory.types import Pressure, Probe, Snapshot
 from elbowroom.models.spec import Holding, ModelKind, ModelSpec
 from elbowroom.runtime.protocol import Runner, RunnerFactory
-from elbowroom.scheduler import policy
+from elbowroom.scheduler import offload_plan, policy
 from elbowroom.scheduler.clients import current_client, queue_cap
 from elbowroom.scheduler.events import EventLog
 from elbowroom.scheduler.inputs import Estimator, Measurements, ModelCatalog, default_estimator
@@ -104,6 +105,7 @@ class Scheduler:
         self._inflight: dict[str, InFlightRequest] = {}
         self._request_ids = itertools.count(1)
         self._last_limit = 0  # the limit's value at the last observation, for state()
+        self._pools: tuple[Pool, ...] = ()  # host + GPU pools at the last observation
         # Read by the metrics module; plain ints so reading needs no lock.
         self.counters: dict[str, int] = {
             "loads": 0,
@@ -301,6 +303,7 @@ class Scheduler:
             self._last_server = self._server_usage()
             state = self._state(limit.soft - self._last_server)
             plan = plan_load(spec, self.settings, state, self._estimate, self._measured)
+            plan = offload_plan.place_on_gpus(plan, spec, self.settings, state, self._pools)
             decision = policy.decide(state, plan.request)
             if isinstance(decision, policy.Admit):
                 return plan
@@ -341,6 +344,7 @@ class Scheduler:
             kv_type=plan.kv_type,
             slots=plan.slots,
             pinned=spec.id in self._pins,
+            placement=plan.placement,
         )
         self._loaded[spec.id] = rec  # its predicted bytes are now a reservation
         try:
@@ -431,8 +435,12 @@ class Scheduler:
                 for_model,
             )
             stops.append(self._begin_stop(rec, "load"))
+        gpu_expected = offload_plan.gpu_usage(
+            [self._model_pools(self._loaded[i]) for i in decision.ids if i in self._loaded]
+        )
         await asyncio.gather(*stops)
         await self._settle(before.available, expected)
+        await self._settle_gpus(before, gpu_expected)
 
     async def _settle(self, before_available: int, expected: int) -> None:
         """Wait until ``expected`` freed bytes show up as available (or the deadline)."""
@@ -449,6 +457,21 @@ class Scheduler:
                     format_size(available),
                     format_size(target),
                 )
+                return
+            await self._sleep(_POLL)
+
+    async def _settle_gpus(self, before: Snapshot, expected: dict[int, int]) -> None:
+        """Wait until the evicted runners' VRAM is free again in NVML (or the deadline): a
+        load sized on VRAM the driver has not handed back yet would be placed short."""
+        free0 = {g.index: g.free for g in before.gpus}
+        want = {i: free0[i] + int(b * _SETTLE_FRACTION) for i, b in expected.items() if i in free0}
+        deadline = self._clock() + self.settings.unload_settle_timeout
+        while want:
+            free = {g.index: g.free for g in self._probe().gpus}
+            if all(free.get(i, 0) >= target for i, target in want.items()):
+                return
+            if self._clock() >= deadline:
+                log.warning("freed VRAM did not show up within the settle timeout: %s", free)
                 return
             await self._sleep(_POLL)
 
@@ -614,6 +637,7 @@ class Scheduler:
                 if rec.phase is Phase.LOADING
             ],
             "loads_paused": self.loads_paused,
+            "pools": [pool_to_dict(p) for p in self._pools],
         }
 
     def state(self) -> policy.State:
@@ -641,9 +665,26 @@ class Scheduler:
 
     def _observe(self) -> tuple[Snapshot, budget.Limit]:
         snap = self._probe()
-        limit = budget.memory_limit(snap, self._own_usage(), self._budget)
+        gpu_ours = offload_plan.gpu_usage([self._model_pools(r) for r in self._loaded.values()])
+        self._pools = memory_pools(
+            snap,
+            self._own_usage(),
+            gpu_ours,
+            self._budget,
+            gpu_reserve_bytes=self.settings.gpu_reserve,
+            gpu_override=self.settings.override_gpu_memory,
+        )
+        # The host (or unified) pool's limit is budget.memory_limit's, plus the Metal wired
+        # limit as a candidate on Apple Silicon.
+        limit = self._pools[0].limit
         self._last_limit = limit.value
         return snap, limit
+
+    def _model_pools(self, rec: Loaded) -> dict[str, int]:
+        """Bytes ``rec`` holds per GPU pool: predicted while loading, then rescaled to what
+        NVML measures for its process."""
+        mem = rec.measure() if rec.phase is Phase.READY else None
+        return offload_plan.model_pools(rec.placement, mem.gpu if mem is not None else None)
 
     def _state(self, limit: int) -> policy.State:
         models = []
@@ -662,9 +703,11 @@ class Scheduler:
                     expires_at=rec.expires_at,
                     # Stopping models still hold their bytes and cannot be chosen again.
                     loading=rec.phase is not Phase.READY,
+                    pools=self._model_pools(rec),
                 )
             )
-        return policy.State(tuple(models), limit)
+        gpu_limits = {p.name: p.ceiling for p in self._pools if p.kind == "gpu"}
+        return policy.State(tuple(models), limit, gpu_limits)
 
     def _runners_usage(self) -> int:
         total = self._server_usage()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from elbowroom.memory.types import ProcessMemory
 from elbowroom.models.spec import ModelKind, ModelSpec
 from elbowroom.runtime.protocol import ReadyInfo, Runner
+from elbowroom.scheduler.placement import Placement
 
 
 class Phase(enum.StrEnum):
@@ -86,6 +87,7 @@ class Loaded:
     expires_at: float | None = None  # clock seconds; None: never
     ready: ReadyInfo | None = None
     unload_when_idle: str | None = None  # reason of an unload asked while requests ran
+    placement: Placement | None = None  # where its layers are (GPU offload)
     stop_task: asyncio.Task[None] | None = None
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
 

@@ -87,6 +87,13 @@ def validation_to_bad_request(errors: Sequence[Any]) -> BadRequest:
             )
         return BadRequest("The request body must be a JSON object")
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if kind == "extra_forbidden":
+        return BadRequest(
+            f"Unsupported parameter: {param!r} is not a parameter elbowroom accepts here; "
+            "remove it (docs/api.md lists every parameter: supported, ignored, refused)",
+            param=param,
+            code="unsupported_parameter",
+        )
     if kind == "missing":
         message = f"Missing required parameter: {param!r}"
     elif param is not None:

@@ -132,6 +132,10 @@ def test_completions_both_ways(harness: Harness) -> None:
             "top_p": None,
             "seed": None,
             "stop": [],
+            "presence_penalty": None,
+            "frequency_penalty": None,
+            "logit_bias": None,
+            "logprobs": None,
         },
     )
     harness.scheduler.script.finish_reason = "length"
