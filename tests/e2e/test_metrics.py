@@ -60,8 +60,14 @@ def value(metrics: dict[str, Any], family: str, sample: str, **labels: str) -> f
 
 @pytest.fixture(scope="module")
 def server(server_factory: ServerFactory) -> Iterator[ServerProcess]:
-    # queue_size 0: a second request while one runs is refused at once (a 503 to count)
-    srv = server_factory("--ctx", "512", "--preload", MODEL, env={"ELBOWROOM_QUEUE_SIZE": "0"})
+    # one slot, queue_size 0: a second request while one runs is refused at once (a 503)
+    srv = server_factory(
+        "--ctx",
+        "512",
+        "--preload",
+        MODEL,
+        env={"ELBOWROOM_QUEUE_SIZE": "0", "ELBOWROOM_SLOTS": "1"},
+    )
     wait_for(lambda: any(m["id"] == MODEL for m in srv.ps()), timeout=60, what="the preload")
     yield srv
 
