@@ -168,9 +168,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     headers = ["ID", "KIND", "ENGINE", "SIZE", "CTX", "FOOTPRINT", "FITS", "SOURCE"]
     print(table(headers, rows) if rows else "no models found")
     print(
-        f"\nbudget: load ceiling {fs(ctx.limit.ceiling)} (soft threshold of the "
-        f"{fs(ctx.limit.value)} limit, {ctx.limit.winner}); footprint = anonymous + "
-        "file-backed, predicted unless marked measured; `elbowroom plan ID` shows the arithmetic"
+        f"\nbudget: load ceiling {fs(ctx.limit.ceiling)} of the {fs(ctx.limit.value)} limit "
+        f"({ctx.limit.winner}, {ctx.limit.rule} rule: {ctx.limit.rule_why}); footprint = "
+        "anonymous + file-backed, predicted unless marked measured; `elbowroom plan ID` shows "
+        "the arithmetic"
     )
     for problem in problems:
         print(f"skipped {problem['path']}: {problem['reason']}")
@@ -293,15 +294,21 @@ def _plan_text(
     memory = f"1. memory total {fs(snap.total)}"
     if snap.total != snap.host_total:
         memory += f" (host {fs(snap.host_total)}; smaller of cgroup limit and override)"
-    lines += [memory + f", available now {fs(snap.available)}", "", "2. limit candidates:"]
+    lines += [
+        memory + f", available now {fs(snap.available)}",
+        f"   rule: {limit.rule} ({limit.rule_why})",
+        "",
+        "2. limit candidates:",
+    ]
     rows = [
         ["*" if c.name == limit.winner else "", c.name, fs(c.value), c.why]
         for c in limit.candidates
     ]
     lines += ["   " + line for line in table(["", "candidate", "value", "why"], rows).splitlines()]
     lines += [
-        f"   limit = {fs(limit.value)} ({limit.winner}); loads are admitted up to the soft "
-        f"threshold: load ceiling {fs(limit.ceiling)}; nothing committed (no server)",
+        f"   limit = {fs(limit.value)} ({limit.winner}); loads are admitted up to the load "
+        f"ceiling {fs(limit.ceiling)} (below the soft threshold {fs(limit.soft)}); nothing "
+        "committed (no server)",
         "",
     ]
     src = " (measured)" if fp.measured else ""

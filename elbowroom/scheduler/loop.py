@@ -93,6 +93,7 @@ class Scheduler:
         self._inflight: dict[str, InFlightRequest] = {}
         self._request_ids = itertools.count(1)
         self._last_limit = 0  # the limit's value at the last observation, for state()
+        self._last_rule = ("host", "")  # which reserve rule that limit came from, and why
         # Read by the metrics module; plain ints so reading needs no lock.
         self.counters: dict[str, int] = {
             "loads": 0,
@@ -263,10 +264,10 @@ class Scheduler:
         while True:
             await self._drain_stops()
             snap, limit = self._observe()
-            # Loads are admitted up to the soft threshold, not the limit: a load that filled
-            # the budget would put the guard straight into a pressure episode (unloads, then
-            # aborts at hard) as soon as caches and contexts grow a little.
-            state = self._state(limit.soft)
+            # Loads are admitted up to the load ceiling, below the soft threshold: a load that
+            # filled the budget would put the guard straight into a pressure episode (unloads,
+            # then aborts at hard) as soon as caches and contexts grow a little.
+            state = self._state(limit.ceiling)
             plan = plan_load(spec, self.settings, state, self._estimate, self._measured)
             decision = policy.decide(state, plan.request)
             if isinstance(decision, policy.Admit):
@@ -360,6 +361,7 @@ class Scheduler:
         )
         details = refusal.details()
         details["memory_limit"] = self._last_limit
+        details["memory_rule"], details["memory_rule_why"] = self._last_rule
         return InsufficientMemory(refusal.message(), code="insufficient_memory", details=details)
 
     # ------------------------------------------------------------------ unloading
@@ -581,6 +583,7 @@ class Scheduler:
         snap = self._probe()
         limit = budget.memory_limit(snap, self._own_usage(), self._budget)
         self._last_limit = limit.value
+        self._last_rule = (limit.rule, limit.rule_why)
         return snap, limit
 
     def _state(self, limit: int) -> policy.State:

@@ -50,7 +50,7 @@ class ModelState:
 @dataclass(frozen=True, slots=True)
 class State:
     models: tuple[ModelState, ...]
-    limit: int  # the load ceiling: bytes our models may hold (the limit's soft threshold)
+    limit: int  # the load ceiling: bytes our models may hold (below the soft threshold)
 
     @property
     def committed(self) -> int:
@@ -140,7 +140,7 @@ class Refuse:
         text = (
             f"model {self.model!r} needs {format_size(self.needed)} but only "
             f"{format_size(self.available + self.evictable)} of the "
-            f"{format_size(self.limit)} load ceiling (the soft threshold of the memory limit) "
+            f"{format_size(self.limit)} load ceiling (load_fraction of the memory limit) "
             "can be made free"
         )
         if self.suggestions:

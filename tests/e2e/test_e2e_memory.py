@@ -89,8 +89,8 @@ def test_alternating_models_evict_and_never_exceed_the_limit(
     server_factory: ServerFactory, measured: Measured
 ) -> None:
     small, big = sorted(measured.bytes.values())
-    soft = Settings().soft_fraction
-    # Loads are admitted up to the soft threshold (soft x limit): the bigger one fits under
+    soft = Settings().load_fraction  # the load ceiling
+    # Loads are admitted up to the load ceiling (load_fraction x limit): the bigger one fits under
     # it with room to spare, both together do not.
     low, high = int(big / soft) + 16 * MiB, int((small + big) / soft) - 16 * MiB
     if low >= high:
@@ -137,7 +137,7 @@ def test_model_that_cannot_fit_at_all_is_507(
     for key in ("model", "needed", "available", "limit", "suggestions", "message"):
         assert key in err, err
     assert err["model"] == SMOL and err["memory_limit"] == limit and err["needed"] > limit
-    assert err["limit"] == int(limit * Settings().soft_fraction)  # the load ceiling
+    assert err["limit"] == int(limit * Settings().load_fraction)  # the load ceiling
     assert err["suggestions"], err
     assert server.ps() == []
     assert server.http().get("/health").json() == {"status": "ok"}

@@ -26,10 +26,10 @@ def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def limit_to(monkeypatch: pytest.MonkeyPatch, limit: int) -> list[str]:
-    """Flags and env that make the budget exactly ``limit``: an 8 GiB machine whose OS
-    reserve leaves ``limit`` (the other candidates are far larger, whatever this process
-    holds), so the numbers do not depend on the machine running the test."""
-    monkeypatch.setenv("ELBOWROOM_OS_RESERVE", str(8 * 1024 * MiB - limit))
+    """Flags and env that make the budget exactly ``limit``: an 8 GiB override whose
+    container margin leaves ``limit`` (the available candidate is far larger, whatever this
+    process holds), so the numbers do not depend on the machine running the test."""
+    monkeypatch.setenv("ELBOWROOM_CONTAINER_MARGIN", str(8 * 1024 * MiB - limit))
     return ["--override-memory", "8GiB"]
 
 
@@ -104,7 +104,7 @@ def test_ls_small_budget_says_what_does_not_fit(
 ) -> None:
     code, data = run_json(capsys, "ls", *limit_to(monkeypatch, 150 * MiB))
     assert code == 0  # listing is not a failure
-    assert (data["limit"]["value"], data["limit"]["winner"]) == (150 * MiB, "reserve")
+    assert (data["limit"]["value"], data["limit"]["winner"]) == (150 * MiB, "container")
     for m in data["models"]:
         assert m["fits"] == (m["footprint"]["total"] <= 150 * MiB), m["id"]
     fits = {m["id"]: m["fits"] for m in data["models"]}
