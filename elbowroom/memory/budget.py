@@ -274,11 +274,11 @@ class Assessment:
 def assess(snap: Snapshot, own_usage: int, limit: Limit, cfg: BudgetConfig) -> Assessment:
     """The pressure level and the signals that set it.
 
-    Our usage against the thresholds, then machine-wide exhaustion (effective available
-    under the safety margin → hard, under twice it → soft; both floors shrink to 5 % / 15 %
-    of total on machines where the margin would be most of the memory, and inside a
-    container the margin is the container margin), then PSI and the macOS pressure level —
-    which only ever raise the level.
+    Our usage against the thresholds, then exhaustion (host: effective available under the
+    safety margin → hard, under twice it → soft, both floors shrinking to (1 − hard_fraction)
+    / (1 − load_fraction) of total where the margin would be most of the memory; container
+    and override: under half the container margin → hard, under the margin → soft), then PSI
+    and the macOS pressure level — which only ever raise the level.
     """
     fs = format_size
     found: list[tuple[Pressure, str]] = []
@@ -286,11 +286,16 @@ def assess(snap: Snapshot, own_usage: int, limit: Limit, cfg: BudgetConfig) -> A
         found.append((Pressure.HARD, f"ours {fs(own_usage)} ≥ hard threshold {fs(limit.hard)}"))
     elif own_usage > 0 and own_usage >= limit.soft:
         found.append((Pressure.SOFT, f"ours {fs(own_usage)} ≥ soft threshold {fs(limit.soft)}"))
-    margin = cfg.safety_margin
-    if limit.rule != "host":
-        margin = min(margin, cfg.container_margin or container_margin(snap.total))
-    hard_floor = min(margin, int(snap.total * (1 - cfg.hard_fraction)))
-    soft_floor = min(2 * margin, int(snap.total * (1 - cfg.load_fraction)))
+    if limit.rule == "host":
+        hard_floor = min(cfg.safety_margin, int(snap.total * (1 - cfg.hard_fraction)))
+        soft_floor = min(2 * cfg.safety_margin, int(snap.total * (1 - cfg.load_fraction)))
+    else:
+        # A container loaded to its ceiling keeps (1 − load_fraction) of what is available
+        # to us free, which in a small container with neighbours is barely more than the
+        # margin: soft below the margin, hard below half of it, so the ceiling is not soft.
+        margin = cfg.container_margin
+        margin = container_margin(snap.total) if margin is None else margin
+        hard_floor, soft_floor = margin // 2, margin
     if snap.available < hard_floor:
         found.append(
             (Pressure.HARD, f"available {fs(snap.available)} < {fs(hard_floor)} (machine-wide)")

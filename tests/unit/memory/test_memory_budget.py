@@ -306,9 +306,22 @@ def test_container_loaded_to_the_ceiling_is_not_under_pressure() -> None:
     after = memory_limit(at_ceiling, limit.ceiling, CFG)
     assert after.value == limit.value
     assert assess(at_ceiling, limit.ceiling, after, CFG).level is Pressure.NORMAL
-    # the floors are the container margin (40 MiB) and twice it
-    assert level(cgroup_snap(800 * MiB, 70 * MiB), 0) is Pressure.SOFT
-    assert level(cgroup_snap(800 * MiB, 30 * MiB), 0) is Pressure.HARD
+    # the floors are the container margin (40 MiB) and half of it
+    assert level(cgroup_snap(800 * MiB, 50 * MiB), 0) is Pressure.NORMAL
+    assert level(cgroup_snap(800 * MiB, 30 * MiB), 0) is Pressure.SOFT
+    assert level(cgroup_snap(800 * MiB, 15 * MiB), 0) is Pressure.HARD
+
+
+def test_container_with_a_neighbour_loaded_to_the_ceiling_is_not_under_pressure() -> None:
+    # The e2e case: 800 MiB cgroup, a 200 MB neighbour and our ~100 MiB server leave
+    # 509 MiB; a model loaded to the 433 MiB ceiling leaves 76 MiB free.
+    s = cgroup_snap(800 * MiB, 509 * MiB)
+    limit = memory_limit(s, 0, CFG)
+    assert limit.winner == "available" and limit.ceiling == int(509 * MiB * 0.85)
+    full = cgroup_snap(800 * MiB, 509 * MiB - limit.ceiling)
+    assert assess(full, limit.ceiling, memory_limit(full, limit.ceiling, CFG), CFG).level is (
+        Pressure.NORMAL
+    )
 
 
 def test_limit_to_dict_names_the_rule() -> None:
