@@ -175,6 +175,7 @@ def _info(reader: _HeaderReader, path: Path) -> GGUFInfo:
     )
     templates = [k for k in reader.fields if k.startswith("tokenizer.chat_template")]
     name = _field(reader, "general.name")
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
     return GGUFInfo(
         architecture=arch,
         name=name if isinstance(name, str) else path.stem,
@@ -192,4 +193,27 @@ def _info(reader: _HeaderReader, path: Path) -> GGUFInfo:
         n_params=sum(int(t.n_elements) for t in reader.tensors) or None,
         kv_heads_per_layer=None if uniform else kv_heads,
         n_vocab=n_vocab,
+        n_ff=_int(reader, f"{arch}.feed_forward_length"),
+        n_expert=_int(reader, f"{arch}.expert_count") or 0,
+        n_expert_used=_int(reader, f"{arch}.expert_used_count") or 0,
+        n_ff_expert=_int(reader, f"{arch}.expert_feed_forward_length"),
+        n_ff_shared=_int(reader, f"{arch}.expert_shared_feed_forward_length"),
+        swa_pattern=int(pattern) if isinstance(pattern, (int, np.integer)) else None,
+        tensor_bytes=sum(int(t.n_bytes) for t in reader.tensors) or None,
+        matmul_bytes=_matmul_bytes(reader),
     )
+
+
+# Weights read by GET_ROWS (embedding lookups), not multiplied: never repacked.
+_LOOKUP_TENSORS = ("token_embd.", "per_layer_token_embd.", "position_embd.", "token_types.")
+
+
+def _matmul_bytes(reader: GGUFReader) -> tuple[tuple[str, int], ...]:
+    by_type: dict[str, int] = {}
+    for t in reader.tensors:
+        shape = [int(d) for d in t.shape]
+        if len(shape) < 2 or shape[1] % 8 or t.name.startswith(_LOOKUP_TENSORS):
+            continue
+        name = t.tensor_type.name
+        by_type[name] = by_type.get(name, 0) + int(t.n_bytes)
+    return tuple(sorted(by_type.items()))

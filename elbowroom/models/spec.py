@@ -46,6 +46,18 @@ class GGUFInfo:
     # e.g. recurrent layers); None when every layer has n_kv_heads.
     kv_heads_per_layer: tuple[int, ...] | None = None
     n_vocab: int | None = None
+    # What the footprint estimate's compute-buffer, repacking and file terms need.
+    n_ff: int | None = None  # feed-forward width (the widest layer); None: not in the file
+    n_expert: int = 0  # mixture of experts: experts per layer (0: a dense model)
+    n_expert_used: int = 0  # ... and how many each token uses
+    n_ff_expert: int | None = None  # one expert's feed-forward width
+    n_ff_shared: int | None = None  # the shared expert's, where there is one
+    swa_pattern: int | None = None  # {arch}.attention.sliding_window_pattern, when present
+    tensor_bytes: int | None = None  # bytes of tensor data: what llama.cpp maps
+    # Bytes of the weights that feed matrix multiplications (not token_embd, norms, biases),
+    # by ggml type name, counting only tensors whose row count is a multiple of 8: the ones
+    # llama.cpp's CPU backend may copy into a repacked (anonymous) buffer.
+    matmul_bytes: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +99,18 @@ class Footprint:
     slots: int = 1
     kv_type: str = "f16"
     measured: bool = False
+    compute: int = 0  # llama.cpp's compute buffer (part of anonymous)
+    repacked: int = 0  # weights copied into CPU-repacked buffers (part of anonymous)
+    # The part of anonymous that appears only once the model serves (compute-buffer pages
+    # touched by a full batch, per-slot sampling state, context checkpoints): a measurement
+    # right after load does not see it yet.
+    working: int = 0
 
     @property
     def total(self) -> int:
         return self.anonymous + self.file_backed
+
+    @property
+    def at_load(self) -> int:
+        """What the process holds right after load, before serving (total − working)."""
+        return self.total - self.working
