@@ -21,7 +21,14 @@ from elbowroom.memory.probe import default_probe
 from elbowroom.memory.types import Snapshot
 from elbowroom.models.bundled import unprepared
 from elbowroom.models.catalog import Catalog, discover
-from elbowroom.models.estimate import auto_context, context_cap, footprint, max_context
+from elbowroom.models.estimate import (
+    auto_context,
+    context_cap,
+    footprint,
+    max_context,
+    prompt_cache_grant,
+    swa_layers,
+)
 from elbowroom.models.measured import MeasuredStore
 from elbowroom.models.spec import Footprint, ModelSpec
 from elbowroom.units import format_size as fs
@@ -108,7 +115,7 @@ class _Context:
 
 
 def _footprint_dict(fp: Footprint) -> dict[str, Any]:
-    return {**asdict(fp), "total": fp.total}
+    return {**asdict(fp), "total": fp.total, "at_load": fp.at_load}
 
 
 # ------------------------------------------------------------------------------- ls
@@ -204,10 +211,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         else 0
     )
     tips = _suggestions(ctx, spec, fit, n_ctx, largest)
+    grant = prompt_cache_grant(ctx.limit.ceiling, fp, s.kv_ram_max) if s.kv_cache else 0
     if args.json:
-        print_json(_plan_dict(ctx, spec, n_ctx, how, fp, fit, largest, tips))
+        print_json(_plan_dict(ctx, spec, n_ctx, how, fp, fit, largest, tips, grant))
     else:
-        print(_plan_text(ctx, spec, n_ctx, how, fp, fit, largest, tips))
+        print(_plan_text(ctx, spec, n_ctx, how, fp, fit, largest, tips, grant))
     if not fit.ok:
         print(f"elbowroom: {spec.id} does not fit: {fit.reason}", file=sys.stderr)
         return 1
@@ -242,6 +250,7 @@ def _plan_dict(
     fit: Fit,
     largest: int,
     tips: list[str],
+    grant: int,
 ) -> dict[str, Any]:
     snap, s = ctx.snapshot, ctx.settings
     return {
@@ -275,6 +284,7 @@ def _plan_dict(
         },
         "footprint": _footprint_dict(fp),
         "fit": asdict(fit),
+        "prompt_cache_grant": grant,
         "suggestions": tips,
     }
 
@@ -288,6 +298,7 @@ def _plan_text(
     fit: Fit,
     largest: int,
     tips: list[str],
+    grant: int,
 ) -> str:
     snap, s, limit = ctx.snapshot, ctx.settings, ctx.limit
     lines = [f"plan for {spec.id}: {spec.description or spec.path}", ""]
@@ -314,17 +325,26 @@ def _plan_text(
     src = " (measured)" if fp.measured else ""
     if spec.gguf is not None:
         g = spec.gguf
-        runtime_file = fp.file_backed - fp.weights
+        mapped = g.tensor_bytes or fp.weights
+        runtime_file = fp.file_backed - mapped
         heads = f"{g.n_kv_heads} KV heads × ({g.head_dim_k} + {g.head_dim_v}) dims"
+        windowed = sum(swa_layers(g))
+        window = f"; {windowed} sliding-window layers hold ≤ {g.sliding_window} + 512" * bool(
+            windowed
+        )
+        engine = fp.overhead - fp.working
         lines += [
-            f"3. weights (GGUF, mmap'd, file-backed): {fs(fp.weights)}"
+            f"3. weights (GGUF tensors, mmap'd, file-backed): {fs(mapped)}"
             f" + runtime libraries {fs(runtime_file)} = {fs(fp.file_backed)}{src}",
-            f"4. context: {n_ctx} tokens ({how}; trained {g.trained_ctx}, max_ctx {s.max_ctx},"
-            f" min_ctx {s.min_ctx}; {s.slots} slot(s) share it)",
-            f"5. KV cache ({s.kv_type}): {g.n_layers} layers × {heads} ="
-            f" {fs(fp.kv_bytes_per_token)}/token × {n_ctx} = {fs(fp.kv_bytes)}",
-            f"6. overhead (runtime, vocabulary, compute, logits): {fs(fp.overhead)}{src}",
-            f"   anonymous = KV + overhead = {fs(fp.anonymous)}{src}",
+            f"4. context: {n_ctx} tokens per slot × {fp.slots} slot(s) ({how}; trained"
+            f" {g.trained_ctx}, max_ctx {s.max_ctx}, min_ctx {s.min_ctx})",
+            f"5. KV cache ({fp.kv_type}): {g.n_layers} layers × {heads} ="
+            f" {fs(fp.kv_bytes_per_token)}/token{window}; × {n_ctx} × {fp.slots} slot(s) ="
+            f" {fs(fp.kv_bytes)}",
+            f"6. engine, vocabulary, logits: {fs(engine)}; repacked weights {fs(fp.repacked)};"
+            f" compute buffer {fs(fp.compute)} and per-slot state"
+            f" {fs(fp.working - fp.compute)} (what serving touches: {fs(fp.working)})",
+            f"   anonymous = KV + repacked + the rest = {fs(fp.anonymous)}{src}",
         ]
     else:
         lines += [
@@ -336,7 +356,7 @@ def _plan_text(
         ]
     lines += [
         f"7. predicted total = anonymous {fs(fp.anonymous)} + file-backed {fs(fp.file_backed)}"
-        f" = {fs(fp.total)}{src}",
+        f" = {fs(fp.total)}{src}" + (f" ({fs(fp.at_load)} right after load)" if fp.working else ""),
         f"8. {fit.reason}" if fit.ok else f"8. DOES NOT FIT: {fit.reason}",
     ]
     if spec.gguf is not None:
@@ -347,6 +367,12 @@ def _plan_text(
             else "   largest context that fits: none"
         )
     lines += [f"   try: {tip}" for tip in tips]
+    if spec.gguf is not None and fit.ok:
+        lines.append(
+            f"9. prompt-cache grant: {fs(grant)} (kv_ram_max {fs(s.kv_ram_max)}, shrunk to the"
+            f" {fs(max(0, limit.ceiling - fp.total))} the model leaves under the ceiling;"
+            " budgeted beside the model, not part of its footprint)"
+        )
     return "\n".join(lines)
 
 

@@ -143,7 +143,8 @@ def test_plan_text_walks_through_the_steps(
     assert code == 0
     for step in range(1, 9):
         assert f"\n{step}. " in out
-    assert "22.5 KiB/token × 8192 = 180.0 MiB" in out
+    assert "22.5 KiB/token; × 8192 × 1 slot(s) = 180.0 MiB" in out
+    assert "rule: override" in out and "prompt-cache grant:" in out
     assert "largest context that fits: 8192" in out
 
 
