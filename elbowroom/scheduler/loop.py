@@ -416,8 +416,10 @@ class Scheduler:
     def _remember_use(self, rec: Loaded) -> None:
         """Record what the runner holds after serving: resident engines grow well past their
         just-loaded size on the first request (whisper: ~93 -> ~217 MiB), and the store keeps
-        the larger value, so the next prediction for this model is what it really used."""
-        if self._measured is None or rec.ready is None:
+        the larger value, so the next prediction for this model is what it really used.
+        An LLM is not recorded here: what it grew into is its prompt cache, a grant, not its
+        own footprint (recorded at load; docs/models.md)."""
+        if self._measured is None or rec.ready is None or rec.spec.gguf is not None:
             return
         mem = rec.measure()
         if mem is not None and mem.resident > 0:

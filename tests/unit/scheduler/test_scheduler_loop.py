@@ -131,6 +131,21 @@ def test_memory_grown_while_serving_is_recorded_at_unload() -> None:
     run(scenario())
 
 
+def test_an_llm_is_remembered_at_load_not_at_unload() -> None:
+    async def scenario() -> None:
+        h = harness(LLM, actual={"llm": 150}, ctx=512)
+        await request(h, "llm")
+        key = ("llm", 512, 1, "f16")
+        assert h.measured.records[key].anonymous == 150 * MiB
+        # What an LLM grows into while serving is its prompt cache (a grant), not its own
+        # footprint: remembering it would inflate every later prediction.
+        h.runner("llm").nbytes = 600 * MiB
+        await h.sched.unload("llm")
+        assert h.measured.records[key].anonymous == 150 * MiB
+
+    run(scenario())
+
+
 # --- eviction
 
 
