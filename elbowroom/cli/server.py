@@ -32,7 +32,11 @@ def register(sub: Any) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument("--preload", action="append", metavar="ID", help="load at start (repeat)")
     p.add_argument("--pin", action="append", metavar="ID", help="load at start, never evict")
-    p.add_argument("--ctx", type=int, default=None, help="LLM context size (default: auto)")
+    p.add_argument("--ctx", type=int, default=None, help="LLM context per slot (default: auto)")
+    p.add_argument("--slots", type=int, default=None, help="parallel sequences per LLM (4)")
+    p.add_argument(
+        "--model-slots", action="append", metavar="ID=N", help="slots of one model (repeat)"
+    )
     p.add_argument("--kv-type", default=None, choices=("f16", "q8_0", "q4_0"))
     p.add_argument("--keep-alive", default=None, help='idle LLM unload after, e.g. 300 or "5m"')
     p.add_argument("--models-dir", type=Path, default=None, help="folder of model files")
@@ -59,6 +63,16 @@ def register(sub: Any) -> None:
         q.add_argument("--api-key", default=os.environ.get("ELBOWROOM_API_KEY"))
         if name != "ps":
             q.add_argument("model", help="model id (see elbowroom ls)")
+        else:
+            q.add_argument(
+                "--watch",
+                action="store_true",
+                help="redraw every second: memory pools, models, recent events (Ctrl-C ends)",
+            )
+            q.add_argument(
+                "--interval", type=float, default=1.0, help="seconds between redraws (1)"
+            )
+            q.add_argument("--count", type=int, default=None, help=argparse.SUPPRESS)
         if name == "load":
             pin = q.add_mutually_exclusive_group()
             pin.add_argument(
@@ -97,6 +111,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         preload=args.preload,
         pin=args.pin,
         ctx=args.ctx,
+        slots=args.slots,
+        model_slots=args.model_slots,
         kv_type=args.kv_type,
         keep_alive=keep_alive,
         models_dir=args.models_dir,
@@ -224,7 +240,16 @@ def _budget_line(report: dict[str, Any]) -> str:
 
 
 def cmd_ps(args: argparse.Namespace) -> int:
-    data = _call(args, "GET", "/api/ps")
+    if args.watch:
+        from elbowroom.cli.watch import watch
+
+        return watch(
+            lambda: _call(args, "GET", "/api/elbowroom/dashboard"),
+            interval=max(0.1, args.interval),
+            as_json=args.json,
+            count=args.count,
+        )
+    data = _call(args, "GET", "/api/elbowroom/ps")
     if data is None:
         return 1
     if args.json:

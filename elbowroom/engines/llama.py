@@ -1,28 +1,33 @@
-"""LLM engine on llama.cpp (llama-cpp-python), driven token by token.
+"""LLM engine: llama.cpp's own server engine (``xllamacpp.Server``), one per runner.
 
-We use llama-cpp-python's low-level pieces (``Llama.eval``, a sampler chain, the vocab)
-instead of ``create_chat_completion`` so that cached-token counts, cancellation, the
-pressure check and stop strings are exact and in one loop (``_generate``).
+The engine does continuous batching over ``slots`` sequences, prompt caching in RAM
+(``cache_ram_mib``, a grant from elbowroom's budget), grammars / JSON schema, tool calling
+through the chat template and logprobs. elbowroom owns everything around it: the context and
+slot count, the cache grant, the pressure check, cancellation and error translation.
 
-Seams for the KV prefix cache (kvcache/ plugs in here): ``_prepare_prefix(tokens)`` makes
-the context hold a prefix of ``tokens`` and returns its length; ``_on_finished(tokens)``
-sees the tokens the context holds after a request. Both keep ``Llama.n_tokens`` /
-``Llama.input_ids`` in agreement with the context.
+Every request runs on its own worker thread (``max_concurrent`` = slots) and is always a
+stream on the engine side: the stream callback is where cancellation and the hard-pressure
+abort stop a generation (returning True ends it), also for clients that did not stream.
+``return_progress`` makes the engine call back once per prompt batch, so a long prefill can
+be cancelled between batches too.
 """
 
 from __future__ import annotations
 
-import codecs
-import ctypes
+import json
 import logging
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import os
+import sys
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from elbowroom.engines.base import Cancelled, Emit
-from elbowroom.engines.llama_kv import LlamaKV
-from elbowroom.engines.stops import StopScanner
+from elbowroom.engines.llama_control import EngineControl
+from elbowroom.engines.llama_slots import Slots
+from elbowroom.engines.llama_stream import StreamState
+from elbowroom.engines.llama_tools import parse as parse_tool_reply
+from elbowroom.engines.llama_tools import plan as plan_tools
 from elbowroom.errors import (
     BadRequest,
     ContextOverflow,
@@ -30,415 +35,433 @@ from elbowroom.errors import (
     EngineError,
     InsufficientMemory,
     MemoryPressure,
+    Unavailable,
 )
+from elbowroom.kvcache import CacheKey
+from elbowroom.models.estimate import CTX_CHECKPOINTS
 from elbowroom.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
 KV_TYPES = ("f16", "q8_0", "q4_0")
-PRESSURE_CHECK_EVERY = 16  # generated tokens between two looks at the pressure level
-HARD = 2
-DEFAULT_N_BATCH = 512
-RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: pick a random seed
+HARD = 2  # pressure level at which generations are aborted
+# Prompt batches: the engine reports progress once per batch, which bounds how long a
+# cancellation waits during a long prefill. 512 is also the compute micro-batch.
+N_BATCH = 512
 
 # Used for chat when the GGUF carries no chat template (base models such as gemma3 270m).
 FALLBACK_ROLES = {"system": "System", "user": "User", "assistant": "Assistant", "tool": "Tool"}
-FALLBACK_STOPS = ("\nUser:", "\nSystem:")
-
-
-@dataclass(frozen=True, slots=True)
-class Sampling:
-    max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int
-    stop: tuple[str, ...]
+FALLBACK_STOPS = ["\nUser:", "\nSystem:"]
 
 
 class LlamaEngine:
     def __init__(self) -> None:
-        self._llm: Any = None
-        self._vocab: Any = None
-        self._n_ctx = 0
-        self._n_swa = 0
-        self._formatter: Any = None  # Jinja2ChatFormatter from the GGUF template, or None
+        self._server: Any = None
+        self._control: EngineControl | None = None
+        self._n_ctx = 0  # per slot
+        self._slots = 1
+        self._chat_template = False
+        self._native_tools = False
         self._max_tokens_cap: int | None = None
-        self._seed = RANDOM_SEED
+        self._seed: int | None = None
         self._pressure: Callable[[], int] = lambda: 0
-        self._kv: LlamaKV | None = None  # the KV prefix cache (kvcache/), when enabled
+        self._slot_pool: Slots | None = None
+        self._cache_grant = 0  # bytes the engine's RAM prompt cache may hold
+        self._block = 1  # cached_tokens are reported in whole blocks of this many tokens
+        self._lock = threading.Lock()
+        self._active = 0
+        self._served = 0
+        self.max_concurrent = 1
 
     # ---- lifecycle ---------------------------------------------------------------------
 
     def load(self, spec: ModelSpec, options: dict[str, Any]) -> dict[str, Any]:
-        import llama_cpp
-        from llama_cpp import llama_cpp as lib
+        import xllamacpp
 
         kv_type = str(options.get("kv_type") or "f16")
         if kv_type not in KV_TYPES:
             raise BadRequest(f"kv_type must be one of {', '.join(KV_TYPES)}, not {kv_type!r}")
-        ggml_type = {
-            "f16": lib.GGML_TYPE_F16,
-            "q8_0": lib.GGML_TYPE_Q8_0,
-            "q4_0": lib.GGML_TYPE_Q4_0,
-        }
-        n_ctx = int(options.get("n_ctx") or 2048)
-        threads = options.get("threads")
+        self._n_ctx = int(options.get("n_ctx") or 2048)
+        self._slots = max(1, int(options.get("slots") or 1))
+        self.max_concurrent = self._slots
         self._pressure = options.get("pressure") or (lambda: 0)
         cap = options.get("max_tokens_cap")
         self._max_tokens_cap = int(cap) if cap else None
         seed = options.get("seed")
-        self._seed = int(seed) if seed is not None else RANDOM_SEED
-        try:
-            self._llm = llama_cpp.Llama(
-                model_path=str(spec.path),
-                n_ctx=n_ctx,
-                n_batch=min(n_ctx, DEFAULT_N_BATCH),
-                n_threads=int(threads) if threads else None,
-                n_threads_batch=int(threads) if threads else None,
-                use_mmap=True,
-                use_mlock=bool(options.get("mlock", False)),
-                type_k=ggml_type[kv_type],
-                type_v=ggml_type[kv_type],
-                # llama.cpp refuses a quantized V cache without flash attention.
-                flash_attn=bool(options.get("flash_attn", kv_type != "f16")),
-                seed=self._seed,
-                verbose=False,
-            )
-        except ValueError as exc:  # missing file
-            raise EngineError(f"cannot load {spec.id}: {exc}") from exc
-        except RuntimeError as exc:  # llama.cpp could not allocate the model or context
-            raise InsufficientMemory(
-                f"llama.cpp could not load {spec.id} with n_ctx={n_ctx}, kv_type={kv_type}: "
-                f"{exc}. Try a smaller --ctx or --kv-type q8_0."
-            ) from exc
-        llm = self._llm
-        self._vocab = lib.llama_model_get_vocab(llm.model)
-        self._n_ctx = llm.n_ctx()
-        self._n_swa = int(lib.llama_model_n_swa(llm.model))
-        self._formatter = _template_formatter(llm)
-        self._kv = LlamaKV.from_options(
-            spec,
-            options,
-            llm,
-            kv_type=kv_type,
-            flash_attn=bool(options.get("flash_attn", kv_type != "f16")),
-            n_swa=self._n_swa,
-            trim=self._trim_context,
-            pressure=self._pressure,
+        self._seed = int(seed) if seed is not None else None
+        self._chat_template = bool(spec.gguf is not None and spec.gguf.has_chat_template)
+
+        control = self._control = EngineControl()
+        version = str(getattr(xllamacpp, "__version__", "?"))
+        key = CacheKey(spec.identity, self._n_ctx, kv_type, engine=f"xllamacpp {version}")
+        slots = self._slot_pool = Slots.create(control, self._slots, key, options)
+        # Reported cached_tokens are rounded down to whole cache blocks: exact counts would
+        # let one client probe, token by token, what another client's prompt began with.
+        self._block = slots.block_tokens
+        params = xllamacpp.CommonParams()
+        params.model.path = str(spec.path)
+        params.n_ctx = self._n_ctx * self._slots  # each slot owns n_ctx (kv_unified off)
+        params.n_parallel = self._slots
+        params.kv_unified = False
+        params.n_batch = N_BATCH
+        params.n_ubatch = N_BATCH
+        ggml = xllamacpp.ggml_type
+        kv = {"f16": ggml.GGML_TYPE_F16, "q8_0": ggml.GGML_TYPE_Q8_0, "q4_0": ggml.GGML_TYPE_Q4_0}
+        params.cache_type_k = kv[kv_type]
+        params.cache_type_v = kv[kv_type]
+        # llama.cpp refuses a quantized V cache without flash attention.
+        fa = xllamacpp.llama_flash_attn_type
+        params.flash_attn_type = (
+            fa.LLAMA_FLASH_ATTN_TYPE_ENABLED if kv_type != "f16" else fa.LLAMA_FLASH_ATTN_TYPE_AUTO
         )
+        threads = options.get("threads")
+        if threads:
+            params.cpuparams.n_threads = int(threads)
+            params.cpuparams_batch.n_threads = int(threads)
+        # The RAM prompt cache is a grant from elbowroom's budget; the engine's default
+        # (8 GiB) must never apply unbudgeted.
+        params.cache_ram_mib = max(0, int(options.get("cache_ram_bytes", 0)) // (1 << 20))
+        self._cache_grant = params.cache_ram_mib << 20
+        params.n_gpu_layers = int(options.get("n_gpu_layers", 0))
+        if options.get("main_gpu") is not None:
+            params.main_gpu = int(options["main_gpu"])
+        if options.get("tensor_split"):
+            params.tensor_split = [float(x) for x in options["tensor_split"]]
+        params.fit_params = False  # placement is elbowroom's budget, not the engine's guess
+        # Sliding-window models snapshot their window per slot; llama.cpp's default of 32
+        # snapshots would grow gemma3-270m by ~0.5 GiB a slot, unbudgeted (models/estimate.py).
+        params.n_ctx_checkpoints = CTX_CHECKPOINTS
+        params.ctx_shift = False  # a full context ends the reply ("length"); nothing is dropped
+        params.hostnames = [control.socket]
+        params.api_keys = [control.key]
+        params.slot_save_path = slots.save_path
+        params.endpoint_metrics = True
+        params.verbosity = 0 if options.get("log_level", "info") != "debug" else 3
+        if not spec.path.is_file():
+            control.cleanup()
+            raise EngineError(f"cannot load {spec.id}: {spec.path} is not a readable file")
+        with _CapturedStderr() as log_tail:
+            try:
+                self._server = xllamacpp.Server(params)
+            except RuntimeError as exc:
+                failure: RuntimeError | None = exc
+            else:
+                failure = None
+        if failure is not None:
+            control.cleanup()
+            self._control = None
+            raise _load_error(spec.id, log_tail.text(), self._n_ctx, self._slots, kv_type) from (
+                failure
+            )
+        props = self._props()
+        caps = props.get("chat_template_caps") or {}
+        self._native_tools = bool(caps.get("supports_tool_calls") or caps.get("supports_tools"))
+        n_ctx_train = int((props.get("default_generation_settings") or {}).get("n_ctx", 0))
         return {
             "n_ctx": self._n_ctx,
-            "n_ctx_train": int(llm._model.n_ctx_train()),
+            "slots": self._slots,
+            "n_ctx_total": self._n_ctx * self._slots,
+            "n_ctx_train": spec.gguf.trained_ctx if spec.gguf is not None else n_ctx_train,
             "kv_type": kv_type,
-            "chat_template": self._formatter is not None,
+            "chat_template": self._chat_template,
+            "native_tools": self._native_tools,
+            "cache_ram_mib": params.cache_ram_mib,
+            "engine": f"xllamacpp {version}",
         }
 
+    def _props(self) -> dict[str, Any]:
+        assert self._control is not None
+        try:
+            props = self._control.request("GET", "/props")
+        except (OSError, RuntimeError, ValueError) as exc:
+            log.warning("could not read the engine's /props: %s", exc)
+            return {}
+        return props if isinstance(props, dict) else {}
+
     def stats(self) -> dict[str, Any]:
-        return {"kv_cache": self._kv.stats()} if self._kv is not None else {}
+        with self._lock:
+            active, served = self._active, self._served
+        out: dict[str, Any] = {
+            "slots": self._slots,
+            "slots_busy": active,
+            "requests_served": served,
+            "prompt_cache_grant": self._cache_grant,
+        }
+        if self._slot_pool is not None:
+            out["kv_cache"] = self._slot_pool.stats()
+        return out
+
+    def relieve(self, level: int) -> None:
+        """Pressure rose to ``level``: save the idle slots' states to the disk tier, so that
+        the unload that soft pressure may bring next loses no prefix. (The engine's RAM
+        prompt cache cannot shrink while it runs: it is a budgeted grant, and it is given
+        back by unloading the runner.)"""
+        if self._slot_pool is not None and self._server is not None:
+            try:
+                self._slot_pool.save_idle()
+            except Exception:
+                log.exception("saving idle slots under pressure failed")
 
     def close(self) -> None:
-        if self._kv is not None:
-            self._kv.close()  # flushes the RAM tier to disk
-            self._kv = None
-        if self._llm is not None:
-            self._llm.close()
-            self._llm = None
+        if self._slot_pool is not None and self._server is not None:
+            try:
+                self._slot_pool.save_all()  # the disk tier outlives this process
+            except Exception:
+                log.exception("saving slot states to the KV disk tier failed")
+        server, self._server = self._server, None
+        del server  # the binding's destructor stops the engine loop and joins its thread
+        if self._control is not None:
+            self._control.cleanup()
+            self._control = None
 
     # ---- requests ----------------------------------------------------------------------
 
     def run(
         self, op: str, payload: dict[str, Any], emit: Emit, cancelled: Cancelled
     ) -> dict[str, Any]:
-        if self._llm is None:
+        if self._server is None:
             raise EngineError("the model is not loaded")
         if op not in ("chat", "completion"):
             raise BadRequest(f"the llama engine does not serve {op!r} (chat, completion)")
-        tokens, extra_stops = self._tokenize(op, payload)
-        sampling = self._sampling(payload, len(tokens), extra_stops)
-        try:
-            return self._generate(tokens, sampling, emit, cancelled)
-        except ElbowroomError:
-            raise
-        except RuntimeError as exc:  # llama_decode failed: out of KV slots or memory
-            raise EngineError(f"llama.cpp failed while generating: {exc}") from exc
-
-    def _generate(
-        self, tokens: list[int], sampling: Sampling, emit: Emit, cancelled: Cancelled
-    ) -> dict[str, Any]:
-        """The one generation loop: prefix reuse, prefill, sample, stream, finish."""
-        llm = self._llm
-        n_cached = self._prepare_prefix(tokens)
-        prefill_started = time.perf_counter()
-        for start in range(n_cached, len(tokens), llm.n_batch):
-            if cancelled():
-                return self._finish(emit, StopScanner(()), [], tokens, n_cached, "cancelled")
-            llm.eval(tokens[start : start + llm.n_batch])
-        if self._kv is not None:  # the measured prefill speed decides restore vs recompute
-            self._kv.observe_prefill(len(tokens) - n_cached, time.perf_counter() - prefill_started)
-
-        sampler = self._sampler(sampling)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        scanner = StopScanner(sampling.stop)
-        generated: list[int] = []
-        finish = "length"
-        try:
-            for i in range(sampling.max_tokens):
-                if cancelled():
-                    finish = "cancelled"
-                    break
-                if i % PRESSURE_CHECK_EVERY == 0 and self._pressure() >= HARD:
-                    raise MemoryPressure(
-                        "generation aborted: memory pressure is hard "
-                        f"(after {len(generated)} tokens); retry later or free memory",
-                        code="memory_pressure",
-                    )
-                token = sampler.sample(llm._ctx, -1)
-                if _is_eog(self._vocab, token):
-                    finish = "stop"
-                    break
-                generated.append(token)
-                text, stopped = scanner.feed(decoder.decode(self._piece(token)))
-                if text:
-                    emit({"type": "delta", "text": text})
-                if stopped:
-                    finish = "stop"
-                    break
-                if i + 1 < sampling.max_tokens:
-                    llm.eval([token])
-        finally:
-            sampler.close()
-        if not scanner.stopped:
-            scanner.feed(decoder.decode(b"", final=True))
-        return self._finish(emit, scanner, generated, tokens, n_cached, finish)
-
-    def _finish(
-        self,
-        emit: Emit,
-        scanner: StopScanner,
-        generated: list[int],
-        prompt: list[int],
-        n_cached: int,
-        finish: str,
-    ) -> dict[str, Any]:
-        rest = scanner.flush()
-        if rest:
-            emit({"type": "delta", "text": rest})
-        llm = self._llm
-        self._on_finished([int(t) for t in llm.input_ids[: llm.n_tokens]])
-        return {
-            "text": scanner.text,
-            # "cancelled" only reaches in-process callers: a cancelled request's consumer is gone.
-            "finish_reason": finish,
-            "usage": {
-                "prompt_tokens": len(prompt),
-                "completion_tokens": len(generated),
-                "cached_tokens": n_cached,
-            },
-        }
-
-    # ---- KV prefix seams ---------------------------------------------------------------
-
-    def _prepare_prefix(self, tokens: Sequence[int]) -> int:
-        """Keep the longest prefix of ``tokens`` the context already holds; return its length.
-
-        At least one prompt token is always left to evaluate: sampling needs fresh logits.
-        """
-        llm = self._llm
-        held = llm.input_ids[: llm.n_tokens]
-        limit = min(len(held), len(tokens) - 1)
-        n = 0
-        while n < limit and held[n] == tokens[n]:
-            n += 1
-        if self._kv is not None:  # a cached state may hold a longer prefix than the context
-            n = self._kv.prepare(tokens, n)
-        if n > 0 and self._trim_context(n):
-            return n
-        self._trim_context(0)
-        return 0
-
-    def _on_finished(self, tokens: list[int]) -> None:
-        """Called after every request with the tokens the context now holds: their state
-        becomes a KV prefix cache entry."""
-        if self._kv is not None:
-            self._kv.finished(tokens)
-
-    def _trim_context(self, n: int) -> bool:
-        """Drop context positions >= n. False when the KV memory cannot keep that prefix
-        (e.g. a sliding-window cache that no longer holds the window before n)."""
-        from llama_cpp import llama_cpp as lib
-
-        llm = self._llm
-        ctx = llm._ctx
-        if not ctx.kv_cache_seq_rm(-1, n, -1):
-            return False
-        if n > 0:
-            # A sliding-window cache may have dropped positions the prefix still attends to.
-            oldest_needed = max(0, n - self._n_swa) if self._n_swa else 0
-            if int(lib.llama_memory_seq_pos_min(ctx.memory, 0)) > oldest_needed:
-                ctx.kv_cache_seq_rm(-1, 0, -1)
-                llm.n_tokens = 0
-                return False
-        llm.n_tokens = n
-        return True
-
-    # ---- prompt and sampling -----------------------------------------------------------
-
-    def _tokenize(self, op: str, payload: dict[str, Any]) -> tuple[list[int], tuple[str, ...]]:
-        """The full prompt as tokens, plus stop strings the prompt format implies."""
-        llm = self._llm
-        extra: tuple[str, ...] = ()
-        if op == "chat":
-            messages = _messages(payload.get("messages"))
-            if self._formatter is not None:
-                try:
-                    prompt = self._formatter(messages=messages).prompt
-                except Exception as exc:  # the template's raise_exception or a Jinja error
-                    raise BadRequest(
-                        f"the model's chat template rejected the messages: {exc}",
-                        param="messages",
-                    ) from exc
-                # The template writes BOS itself when the model wants one.
-                tokens = llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=True)
-            else:
-                prompt, extra = _fallback_prompt(messages), FALLBACK_STOPS
-                tokens = llm.tokenize(prompt.encode("utf-8"), add_bos=True, special=False)
-        else:
-            prompt = payload.get("prompt")
-            if not isinstance(prompt, str):
-                raise BadRequest("prompt must be a string", param="prompt")
-            tokens = llm.tokenize(prompt.encode("utf-8"), add_bos=True, special=True)
-        if not tokens:
-            raise BadRequest("the prompt is empty", param="prompt" if op != "chat" else "messages")
-        if len(tokens) > self._n_ctx - 1:
-            raise ContextOverflow(
-                f"prompt is {len(tokens)} tokens; the context is {self._n_ctx} tokens and needs "
-                f"at least 1 free for the reply. Shorten the prompt or load the model with a "
-                f"larger --ctx.",
-                param="messages" if op == "chat" else "prompt",
-                details={"prompt_tokens": len(tokens), "n_ctx": self._n_ctx},
+        if self._pressure() >= HARD:  # refuse before spending a prefill on it
+            raise MemoryPressure(
+                "memory pressure is hard: no new generation starts; retry later or free memory",
+                code="memory_pressure",
             )
-        return tokens, extra
+        body, emulated = self._body(op, payload)
+        chat = op == "chat" and "messages" in body
+        state = StreamState(chat=chat)
+        stopped: list[str] = []
+        pool = self._slot_pool
+        assert pool is not None
+        slot = pool.acquire(_slot_key(body))
+        body["id_slot"] = slot
+        with self._lock:
+            self._active += 1
+        try:
+            pool.prepare(slot, "chat" if chat else "completion", _template_body(body))
+            self._call(chat, body, state, emit, cancelled, stopped, emulated)
+        finally:
+            pool.release(slot)
+            with self._lock:
+                self._active -= 1
+                self._served += 1
+        pool.observe_prefill(state.timings)
+        if state.error is not None:
+            raise _translate(state.error)
+        if stopped and stopped[0] == "pressure":
+            raise MemoryPressure(
+                "generation aborted: memory pressure is hard "
+                f"(after {state.tokens} tokens); retry later or free memory",
+                code="memory_pressure",
+            )
+        result = state.result("cancelled" if stopped else None)
+        usage = result["usage"]
+        usage["cached_tokens"] -= usage["cached_tokens"] % self._block
+        if emulated:
+            content, calls = parse_tool_reply(result["text"])
+            result["text"] = content
+            if calls:
+                result["tool_calls"] = calls
+                result["finish_reason"] = "tool_calls"
+                emit({"type": "delta", "tool_calls": _whole_call_deltas(calls)})
+            elif content:
+                emit({"type": "delta", "text": content})
+        elif result.get("tool_calls") and result["finish_reason"] == "stop":
+            result["finish_reason"] = "tool_calls"
+        return result
 
-    def _sampling(self, payload: dict[str, Any], n_prompt: int, extra: tuple[str, ...]) -> Sampling:
-        room = self._n_ctx - n_prompt
-        requested = payload.get("max_tokens")
-        if requested is not None and (
-            isinstance(requested, bool) or not isinstance(requested, int) or requested < 1
-        ):
-            raise BadRequest("max_tokens must be a positive integer", param="max_tokens")
-        limit = room if requested is None else min(requested, room)
+    def _call(
+        self,
+        chat: bool,
+        body: dict[str, Any],
+        state: StreamState,
+        emit: Emit,
+        cancelled: Cancelled,
+        stopped: list[str],
+        emulated: bool,
+    ) -> None:
+        def on_chunk(raw: str) -> bool:
+            try:
+                chunk = json.loads(raw)
+            except ValueError:
+                state.error = {"code": 500, "message": f"unreadable engine output: {raw[:200]!r}"}
+                return True
+            for delta in state.feed(chunk if isinstance(chunk, dict) else {}):
+                if not emulated:  # emulated calls are parsed and emitted at the end
+                    emit(delta)
+            if state.error is not None:
+                return True
+            if cancelled():
+                stopped.append("cancelled")
+                return True
+            if self._pressure() >= HARD:
+                stopped.append("pressure")
+                return True
+            return False
+
+        text = json.dumps(body)
+        try:
+            if chat:
+                self._server.handle_chat_completions(text, on_chunk)
+            else:
+                self._server.handle_completions(text, on_chunk)
+        except ValueError as exc:  # C++ std::invalid_argument: the request is malformed
+            raise BadRequest(f"the engine refused the request: {exc}") from exc
+        except Exception as exc:  # the binding raised instead of calling back
+            raise EngineError(f"llama.cpp failed: {exc}") from exc
+
+    def _body(self, op: str, payload: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """The engine request for ``payload`` (validated by the server's schemas)."""
+        body: dict[str, Any] = {
+            k: v
+            for k, v in payload.items()
+            if v is not None
+            and k
+            in (
+                "temperature",
+                "top_p",
+                "seed",
+                "stop",
+                "response_format",
+                "logprobs",
+                "top_logprobs",
+                "presence_penalty",
+                "frequency_penalty",
+                "logit_bias",
+                "tools",
+                "tool_choice",
+                "parallel_tool_calls",
+            )
+        }
+        if not body.get("stop"):
+            body.pop("stop", None)
+        max_tokens = payload.get("max_tokens")
         if self._max_tokens_cap:
-            limit = min(limit, self._max_tokens_cap)
-        temperature = _number(payload, "temperature", 1.0, 0.0, 2.0)
-        top_p = _number(payload, "top_p", 1.0, 0.0, 1.0)
-        seed = payload.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise BadRequest("seed must be an integer", param="seed")
-        stop = payload.get("stop")
-        if isinstance(stop, str):
-            stop = [stop]
-        if stop is not None and not (
-            isinstance(stop, list) and all(isinstance(s, str) for s in stop)
-        ):
-            raise BadRequest("stop must be a string or a list of strings", param="stop")
-        return Sampling(
-            max_tokens=limit,
-            temperature=temperature,
-            top_p=top_p,
-            seed=(seed & 0xFFFFFFFF) if seed is not None else self._seed,
-            stop=tuple(s for s in (stop or []) if s) + extra,
-        )
-
-    def _sampler(self, s: Sampling) -> Any:
-        from llama_cpp._internals import LlamaSampler
-
-        make: Any = LlamaSampler  # its __init__ is untyped upstream
-        sampler = make()
-        if s.temperature == 0.0:
-            sampler.add_greedy()
+            max_tokens = min(max_tokens or self._max_tokens_cap, self._max_tokens_cap)
+        if max_tokens:
+            body["max_tokens"] = int(max_tokens)
+        if "seed" not in body and self._seed is not None:
+            body["seed"] = self._seed
+        if op == "completion" and body.get("logprobs"):
+            # /v1/completions' logprobs is the number of alternatives (legacy shape).
+            body["n_probs"] = int(body.pop("logprobs"))
+            body.pop("top_logprobs", None)
+        body.update(stream=True, stream_options={"include_usage": True}, return_progress=True)
+        body["cache_prompt"] = True
+        emulated = False
+        if op == "completion":
+            body["prompt"] = payload.get("prompt", "")
+        elif self._chat_template:
+            tool_plan = plan_tools(
+                {**body, "messages": payload.get("messages", [])}, self._native_tools
+            )
+            body, emulated = tool_plan.body, tool_plan.emulated
         else:
-            if s.top_p < 1.0:
-                sampler.add_top_p(s.top_p, 1)
-            sampler.add_temp(s.temperature)
-            sampler.add_dist(s.seed)
-        return sampler
-
-    def _piece(self, token: int) -> bytes:
-        """The token's bytes (may be part of a UTF-8 character; the decoder joins them)."""
-        from llama_cpp import llama_cpp as lib
-
-        buf = ctypes.create_string_buffer(64)
-        n = lib.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
-        if n < 0:  # buffer too small: -n is the size needed
-            buf = ctypes.create_string_buffer(-n)
-            n = lib.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
-        return buf.raw[:n]
+            # No chat template: a plain transcript through the completion endpoint.
+            tool_plan = plan_tools({**body, "messages": payload.get("messages", [])}, False)
+            body, emulated = tool_plan.body, tool_plan.emulated
+            body["prompt"] = _fallback_prompt(body.pop("messages"))
+            body["stop"] = [*body.get("stop", []), *FALLBACK_STOPS]
+            if "response_format" in body:
+                body["json_schema"] = _schema_of(body.pop("response_format"))
+            body.pop("logprobs", None)
+        return body, emulated
 
 
-def _is_eog(vocab: Any, token: int) -> bool:
-    from llama_cpp import llama_cpp as lib
+class _CapturedStderr:
+    """Copies what the engine writes to fd 2 while loading (its only account of *why* a
+    load failed) into a temp file, and passes it on to the real stderr afterwards."""
 
-    return bool(lib.llama_vocab_is_eog(vocab, token))
+    def __enter__(self) -> _CapturedStderr:
+        import tempfile
+
+        sys.stderr.flush()
+        self._file = tempfile.TemporaryFile()
+        self._saved = os.dup(2)
+        os.dup2(self._file.fileno(), 2)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+        self._file.seek(0)
+        self._data = self._file.read()
+        self._file.close()
+        os.write(2, self._data)
+
+    def text(self) -> str:
+        return self._data.decode("utf-8", "replace")
 
 
-def _template_formatter(llm: Any) -> Any:
-    """A formatter for the GGUF's own chat template, or None when it has none."""
-    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+def _load_error(model: str, log_text: str, n_ctx: int, slots: int, kv: str) -> ElbowroomError:
+    """A failed load: out of memory (507 with the fix) or a model the engine cannot read."""
+    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
+    reasons = [ln for ln in lines if "error" in ln.lower() or "failed" in ln.lower()]
+    detail = "; ".join(reasons[-3:]) or (lines[-1] if lines else "no reason given")
+    if any(w in log_text.lower() for w in ("alloc", "out of memory", "cannot allocate")):
+        return InsufficientMemory(
+            f"llama.cpp could not allocate {model} with n_ctx={n_ctx} x {slots} slots, "
+            f"kv_type={kv} ({detail}). Try a smaller --ctx, fewer --slots or --kv-type q8_0.",
+            code="engine_load_failed",
+        )
+    return EngineError(f"llama.cpp could not load {model}: {detail}")
 
-    template = llm.metadata.get("tokenizer.chat_template")
-    if not template:
-        return None
 
-    def text(token: int) -> str:
-        return str(llm._model.token_get_text(token)) if token != -1 else ""
-
-    return Jinja2ChatFormatter(
-        template=template,
-        eos_token=text(llm.token_eos()),
-        bos_token=text(llm.token_bos()),
-        add_generation_prompt=True,
+def _slot_key(body: dict[str, Any]) -> str:
+    """The request's text in order, to keep a conversation on the slot that holds it."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return str(body.get("prompt", messages))
+    return "\n".join(
+        f"{m.get('role')}: {m.get('content')}" if isinstance(m, dict) else str(m) for m in messages
     )
 
 
-def _messages(raw: Any) -> list[dict[str, str]]:
-    """Validate chat messages; flatten OpenAI content parts to text."""
-    if not isinstance(raw, list) or not raw:
-        raise BadRequest("messages must be a non-empty list", param="messages")
-    out: list[dict[str, str]] = []
-    for i, msg in enumerate(raw):
-        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
-            raise BadRequest(f"messages[{i}] needs a string 'role'", param="messages")
-        content = msg.get("content")
-        if content is None:
-            content = ""
-        elif isinstance(content, list):
-            parts = []
-            for part in content:
-                if not (isinstance(part, dict) and part.get("type") == "text"):
-                    raise BadRequest(
-                        f"messages[{i}]: only text content parts are supported", param="messages"
-                    )
-                parts.append(str(part.get("text", "")))
-            content = "".join(parts)
-        elif not isinstance(content, str):
-            raise BadRequest(f"messages[{i}].content must be a string", param="messages")
-        out.append({"role": msg["role"], "content": content})
-    return out
+def _template_body(body: dict[str, Any]) -> dict[str, Any]:
+    """What /apply-template needs to render the prompt the engine will see."""
+    keep = ("messages", "tools", "tool_choice", "prompt")
+    return {k: v for k, v in body.items() if k in keep}
 
 
-def _fallback_prompt(messages: list[dict[str, str]]) -> str:
+def _schema_of(fmt: dict[str, Any]) -> dict[str, Any]:
+    if fmt.get("type") == "json_schema":
+        return dict((fmt.get("json_schema") or {}).get("schema") or {})
+    return {"type": "object"} if fmt.get("type") == "json_object" else {}
+
+
+def _whole_call_deltas(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"index": i, **call} for i, call in enumerate(calls)]
+
+
+def _fallback_prompt(messages: list[dict[str, Any]]) -> str:
     """A plain transcript for models without a chat template:
     ``User: hi\\nAssistant: hello\\nUser: ...\\nAssistant:``."""
-    lines = [
-        f"{FALLBACK_ROLES.get(m['role'], m['role'].capitalize())}: {m['content']}" for m in messages
-    ]
+    lines = []
+    for m in messages:
+        role = str(m.get("role", "user"))
+        content = m.get("content") or ""
+        if isinstance(content, list):
+            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        lines.append(f"{FALLBACK_ROLES.get(role, role.capitalize())}: {content}")
     return "\n".join([*lines, "Assistant:"])
 
 
-def _number(payload: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
-    value = payload.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
-        raise BadRequest(f"{key} must be a number from {lo:g} to {hi:g}", param=key)
-    return float(value)
+def _translate(err: dict[str, Any]) -> ElbowroomError:
+    """The engine's error object -> elbowroom's error tree (one place)."""
+    code = int(err.get("code") or 500)
+    message = str(err.get("message") or "the engine failed")
+    kind = str(err.get("type") or "")
+    if kind == "exceed_context_size_error":
+        n_prompt, n_ctx = err.get("n_prompt_tokens"), err.get("n_ctx")
+        return ContextOverflow(
+            f"prompt is {n_prompt} tokens; the context is {n_ctx} tokens per slot and needs at "
+            "least 1 free for the reply. Shorten the prompt or load the model with a larger "
+            "--ctx.",
+            details={"prompt_tokens": n_prompt, "n_ctx": n_ctx},
+        )
+    if code in (400, 404, 501):
+        return BadRequest(f"the engine refused the request: {message}")
+    if code == 503:
+        return Unavailable(f"the engine is busy: {message}", retry_after=1.0)
+    return EngineError(f"llama.cpp failed: {message}")

@@ -15,13 +15,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from elbowroom.errors import MemoryPressure
 from elbowroom.guard.guard import PressureGuard
+from elbowroom.server.ollama_shapes import OLLAMA_WORK_PATHS, error_body, is_ollama_path
 
 
 def starts_work(method: str, path: str) -> bool:
     """Requests the guard refuses while hard: every POST under /v1, and model loads."""
     if method != "POST":
         return False
-    if path.startswith("/v1/"):
+    if path.startswith("/v1/") or path in OLLAMA_WORK_PATHS:
         return True
     return path.startswith("/api/models/") and path.endswith("/load")
 
@@ -40,7 +41,8 @@ class AdmissionMiddleware:
             guard.check_admission()
         except MemoryPressure as err:
             guard.counters[("refuse", "hard")] += 1
-            body = json.dumps(err.to_openai()).encode()
+            ollama = is_ollama_path(scope.get("path", ""))
+            body = json.dumps(error_body(err) if ollama else err.to_openai()).encode()
             headers = [
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(body)).encode()),

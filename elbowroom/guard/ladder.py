@@ -6,10 +6,11 @@ is planned afresh, so every step is re-checked against the next reading.
 
 The rungs, in order (each level does everything the levels below it do):
 
-- normal: resume loads, tell LLM runners level 0 (their KV RAM tiers may grow again),
+- normal: resume loads, tell LLM runners level 0,
   re-open admission once the hard episode is over.
 - soft (usage over ``soft_fraction`` of the limit, or PSI over ``psi_soft``):
-  pause new loads; tell LLM runners level 1 (their KV RAM tier spills to disk); unload
+  pause new loads; tell LLM runners level 1 (they save their idle slots' KV state to the
+  disk tier, so the unloads that follow lose no prefix); unload
   idle unpinned models, least recently used first (keep-alive does not protect them),
   until the bytes over the soft threshold are freed. When usage is not over in bytes (the
   level comes from PSI, which is a 10 s average and lags), one model goes when the level
@@ -55,7 +56,7 @@ class LoadedModel:
     last_used: float  # clock seconds
     busy: int = 0  # requests in flight
     pinned: bool = False
-    llm: bool = False  # its runner takes pressure levels (KV RAM tier, 16-token checks)
+    llm: bool = False  # its runner takes pressure levels (slot saves, per-token checks)
     runner_level: Pressure = Pressure.NORMAL  # the level last sent to its runner
 
 
@@ -107,7 +108,7 @@ class ResumeLoads:
 
 @dataclass(frozen=True, slots=True)
 class SetPressure:
-    """Send a level to an LLM runner: >= 1 shrinks its KV RAM tier, 2 aborts its generation."""
+    """Send a level to an LLM runner: >= 1 saves its idle slots to disk, 2 aborts generation."""
 
     model: str
     level: Pressure
@@ -115,7 +116,7 @@ class SetPressure:
 
     def message(self) -> str:
         return f"runner {self.model}: pressure {self.previous.label} -> {self.level.label}" + (
-            " (its KV RAM tier spills to disk)" if self.level > self.previous else ""
+            " (it saves its idle slots to the KV disk tier)" if self.level > self.previous else ""
         )
 
 

@@ -39,17 +39,17 @@ from typing import Any
 
 from elbowroom.memory.process import measure_pid
 from elbowroom.memory.types import ProcessMemory
+from elbowroom.models.estimate import CTX_CHECKPOINTS, N_UBATCH
 from elbowroom.models.spec import ModelSpec
 
 THREADS = 2  # the engines' default thread count
-N_BATCH = 2048  # llama.cpp server defaults, which the runner keeps
-N_UBATCH = 512
 
 
 def engine_params(
     path: str, n_ctx: int, slots: int, kv_type: str, cache_ram_mib: int, threads: int = THREADS
 ) -> dict[str, Any]:
-    """The ``xllamacpp.CommonParams`` an LLM runner loads with, as plain values.
+    """The ``xllamacpp.CommonParams`` an LLM runner loads with (engines/llama.py), as plain
+    values: the memory-relevant ones.
 
     ``n_ctx`` is the per-slot context (the plan's); the engine gets ``n_ctx × slots``.
     """
@@ -57,14 +57,17 @@ def engine_params(
         "model.path": path,
         "n_ctx": n_ctx * slots,
         "n_parallel": slots,
-        "n_batch": N_BATCH,
+        "kv_unified": False,  # each slot owns its n_ctx
+        "n_batch": N_UBATCH,
         "n_ubatch": N_UBATCH,
         "cache_type_k": kv_type,
         "cache_type_v": kv_type,
         "flash_attn": kv_type != "f16",  # True: on; False: llama.cpp's auto (on for CPU)
         "cache_ram_mib": cache_ram_mib,
+        "n_ctx_checkpoints": CTX_CHECKPOINTS,
         "n_gpu_layers": 0,
         "fit_params": False,  # fitting could change n_ctx behind the budget's back
+        "ctx_shift": False,
         "warmup": True,
         "threads": threads,
     }
@@ -219,8 +222,9 @@ if engine == "llama":
     fa = x.llama_flash_attn_type
     p = x.CommonParams()
     p.model.path = prm["model.path"]
-    p.n_ctx, p.n_parallel = prm["n_ctx"], prm["n_parallel"]
+    p.n_ctx, p.n_parallel, p.kv_unified = prm["n_ctx"], prm["n_parallel"], prm["kv_unified"]
     p.n_batch, p.n_ubatch = prm["n_batch"], prm["n_ubatch"]
+    p.n_ctx_checkpoints, p.ctx_shift = prm["n_ctx_checkpoints"], prm["ctx_shift"]
     p.cache_type_k, p.cache_type_v = types[prm["cache_type_k"]], types[prm["cache_type_v"]]
     on, auto = fa.LLAMA_FLASH_ATTN_TYPE_ENABLED, fa.LLAMA_FLASH_ATTN_TYPE_AUTO
     p.flash_attn_type = on if prm["flash_attn"] else auto

@@ -65,11 +65,11 @@ CTX_CHECKPOINTS = 1
 # maps). The fixed part is engine state: threads, graph metadata, what warmup touched.
 LLAMA_FIXED_ANON = int(19.3 * MiB)
 LLAMA_PER_VOCAB = 161
-# A runner before its model loads: the interpreter with the worker, the engine module and
-# xllamacpp imported (12.9 MiB anonymous, 18.5 MiB of mapped libraries); loading maps
-# 4.9 MiB more library code (file-backed after load minus the tensor data, both models).
-LLAMA_RUNTIME_ANON = 13 * MiB
-LLAMA_RUNTIME_FILE = int(23.5 * MiB)
+# A runner before its model loads: the interpreter with the worker, the engine's modules
+# and xllamacpp imported (15.1 MiB anonymous, 18.9 MiB of mapped libraries); loading maps
+# 5 MiB more library code (file-backed after load minus the tensor data: 23.9 / 24.0 MiB).
+LLAMA_RUNTIME_ANON = int(15.1 * MiB)
+LLAMA_RUNTIME_FILE = 24 * MiB
 LOGIT_BYTES = 4  # the output buffer: one f32 logits row per slot
 # Per slot once it has served a request: the sampler's candidate arrays and the slot's
 # token state, ~28.6 B per vocabulary entry on both models (4 slots vs 1, after a

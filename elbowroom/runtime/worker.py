@@ -1,8 +1,10 @@
 """The runner process's main: owns one engine and serves requests from the pipe.
 
-Two threads. The reader thread receives every message at once, so a cancel, a pressure
-level or a stats question is seen while a request is running; the main thread runs one
-request at a time (``Engine.run``), which is what an engine library expects.
+The reader thread receives every message at once, so a cancel, a pressure level or a stats
+question is seen while a request is running. Requests run on the main thread one at a time
+(``Engine.run``), which is what most engine libraries expect, unless the engine says after
+loading that it serves several at once (``max_concurrent`` > 1, the LLM engine's slots):
+then each request gets a thread of a pool that size, and the engine batches them.
 Wire messages are described in runtime/protocol.py.
 
 The engine sees the current pressure level through ``options["pressure"]``: a callable
@@ -19,6 +21,7 @@ import queue
 import signal
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -89,26 +92,37 @@ class _Worker:
         return 0
 
     def _loop(self) -> None:
-        while True:
-            item = self.work.get()
-            if item is _STOP:
-                return
-            rid, kind, payload = item
-            with self.flags_lock:
-                flag = self.cancel_flags.get(rid)
-            if flag is None or flag.is_set():  # cancelled before it started: nobody waits
-                self._drop_flag(rid)
-                continue
-            try:
-                emit = functools.partial(self._event, rid, "delta")
-                result = self.engine.run(kind, payload, emit, flag.is_set)
-                self._event(rid, "done", result)
-            except Exception as exc:
-                if not isinstance(exc, ElbowroomError):
-                    log.exception("request %s failed", rid)
-                self._send({"id": rid, "event": "error", "error": _wire(exc)})
-            finally:
-                self._drop_flag(rid)
+        width = int(getattr(self.engine, "max_concurrent", 1) or 1)
+        pool = ThreadPoolExecutor(width, thread_name_prefix="request") if width > 1 else None
+        try:
+            while True:
+                item = self.work.get()
+                if item is _STOP:
+                    return
+                if pool is None:
+                    self._run(*item)
+                else:
+                    pool.submit(self._run, *item)
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True)  # requests see their cancel flags set by _shutdown
+
+    def _run(self, rid: int, kind: str, payload: dict[str, Any]) -> None:
+        with self.flags_lock:
+            flag = self.cancel_flags.get(rid)
+        if flag is None or flag.is_set():  # cancelled before it started: nobody waits
+            self._drop_flag(rid)
+            return
+        try:
+            emit = functools.partial(self._event, rid, "delta")
+            result = self.engine.run(kind, payload, emit, flag.is_set)
+            self._event(rid, "done", result)
+        except Exception as exc:
+            if not isinstance(exc, ElbowroomError):
+                log.exception("request %s failed", rid)
+            self._send({"id": rid, "event": "error", "error": _wire(exc)})
+        finally:
+            self._drop_flag(rid)
 
     def _read(self) -> None:
         """Reader thread: route every message; on EOF (parent gone) wind down."""
@@ -134,7 +148,11 @@ class _Worker:
                 if flag is not None:
                     flag.set()
             elif op == "pressure":
-                self.level = int(msg["level"])
+                previous, self.level = self.level, int(msg["level"])
+                relieve = getattr(self.engine, "relieve", None)
+                if relieve is not None and self.level > previous and self.loaded.is_set():
+                    # Off the reader thread: saving state takes disk time.
+                    threading.Thread(target=relieve, args=(self.level,), daemon=True).start()
             elif op == "stats":
                 self._send({"event": "stats", "data": self._stats()})
             elif op == "stop":

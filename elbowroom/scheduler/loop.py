@@ -33,9 +33,10 @@ from elbowroom.errors import (
 )
 from elbowroom.memory import budget
 from elbowroom.memory.types import Pressure, Probe, Snapshot
-from elbowroom.models.spec import Holding, ModelSpec
+from elbowroom.models.spec import Holding, ModelKind, ModelSpec
 from elbowroom.runtime.protocol import Runner, RunnerFactory
 from elbowroom.scheduler import policy
+from elbowroom.scheduler.events import EventLog
 from elbowroom.scheduler.inputs import Estimator, Measurements, ModelCatalog, default_estimator
 from elbowroom.scheduler.records import InFlightRequest, Lane, Loaded, Phase
 from elbowroom.scheduler.report import describe, plain
@@ -66,6 +67,7 @@ class Scheduler:
         own_usage: Callable[[], int] | None = None,
         sleep: Sleep = asyncio.sleep,
         estimator: Estimator | None = None,
+        events: EventLog | None = None,
     ) -> None:
         """``catalog``, ``measured`` and ``estimator`` default to / are the model layer's
         Catalog, MeasuredStore and ``models.estimate``; ``probe``, ``runner_factory``,
@@ -81,6 +83,8 @@ class Scheduler:
         self._sleep = sleep
         self._estimate = estimator if estimator is not None else default_estimator()
         self._budget = budget.BudgetConfig.from_settings(settings)
+        # What happened, for the dashboard's timeline (loads, unloads, evictions, crashes).
+        self.events = events if events is not None else EventLog()
         self._lanes: dict[str, Lane] = {}
         self._loaded: dict[str, Loaded] = {}
         self._pins: set[str] = set(settings.pin)
@@ -150,7 +154,7 @@ class Scheduler:
         lane = self._lane(spec.id)
         if lane.slots.locked() and lane.waiting >= self.settings.queue_size:
             self.counters["refusals_503"] += 1
-            retry = lane.mean_seconds * (lane.waiting + 1) / self.settings.concurrency
+            retry = lane.mean_seconds * (lane.waiting + 1) / lane.width
             log.warning("queue of %s is full (%d waiting)", spec.id, lane.waiting)
             raise QueueFull(
                 f"model {spec.id!r} has {lane.waiting} requests waiting "
@@ -319,6 +323,7 @@ class Scheduler:
             if isinstance(exc, RunnerCrashed | EngineError):
                 lane.note_crash(self._clock(), str(exc), *self._backoff_range())
             log.error("load of %s failed: %s", spec.id, exc)
+            self.events.add("load_failed", spec.id, f"load of {spec.id} failed: {exc}")
             if isinstance(exc, asyncio.CancelledError):
                 with contextlib.suppress(Exception):
                     await runner.stop(self.settings.stop_grace)
@@ -334,6 +339,13 @@ class Scheduler:
             self.counters["restarts"] += 1
         if self._measured is not None:
             self._measured.record(spec, plan.n_ctx, plan.slots, plan.kv_type, info.measured)
+        self.events.add(
+            "load",
+            spec.id,
+            f"loaded {spec.id} in {info.load_seconds:.1f} s "
+            f"({format_size(info.measured.resident)})",
+            bytes=info.measured.resident,
+        )
         log.info(
             "loaded %s (pid %s) in %.2f s: predicted %s, measured %s "
             "(anonymous %s, file-backed %s), n_ctx %s",
@@ -437,6 +449,13 @@ class Scheduler:
             if key in self.counters:
                 self.counters[key] += 1
             log.info("unloaded %s (%s): freed %s", rec.spec.id, reason, format_size(freed))
+            self.events.add(
+                "evict" if reason in ("load", "pressure") else "unload",
+                rec.spec.id,
+                f"unloaded {rec.spec.id} ({reason}): freed {format_size(freed)}",
+                reason=reason,
+                freed=freed,
+            )
 
     async def _drain_stops(self) -> None:
         stops = [r.stop_task for r in self._loaded.values() if r.stop_task is not None]
@@ -461,6 +480,7 @@ class Scheduler:
         lane = self._lane(rec.spec.id)
         lane.note_crash(self._clock(), cause, *self._backoff_range())
         self.counters["crashes"] += 1
+        self.events.add("crash", rec.spec.id, f"runner of {rec.spec.id} exited: {cause}")
         log.warning(
             "runner of %s (pid %s) exited: %s; %d in flight fail; restart %s",
             rec.spec.id,
@@ -619,7 +639,11 @@ class Scheduler:
     def _lane(self, model_id: str) -> Lane:
         lane = self._lanes.get(model_id)
         if lane is None:
-            lane = self._lanes[model_id] = Lane(asyncio.Semaphore(self.settings.concurrency))
+            # An LLM serves ``slots`` requests at once (the engine batches them); the other
+            # engines one at a time. Requests beyond that wait here, in the bounded queue.
+            spec = self._catalog.get(model_id)
+            width = self.settings.slots_for(model_id) if spec.kind is ModelKind.LLM else 1
+            lane = self._lanes[model_id] = Lane(asyncio.Semaphore(width), width=width)
         return lane
 
     def _bind_loop(self) -> None:

@@ -46,8 +46,9 @@ class InFlightRequest:
 class Lane:
     """Queue, concurrency and crash history of one model id."""
 
-    slots: asyncio.Semaphore
-    waiting: int = 0  # requests waiting for a concurrency slot (bounded by queue_size)
+    slots: asyncio.Semaphore  # one per request the model serves at once
+    width: int = 1  # the semaphore's size: the LLM's slots, 1 for other engines
+    waiting: int = 0  # requests waiting for a free slot (bounded by queue_size)
     claims: int = 0  # requests holding a slot that do not run on a runner yet
     crash_streak: int = 0  # consecutive crashes or failed loads; reset by a served request
     backoff_until: float = 0.0  # clock seconds

@@ -47,7 +47,7 @@ def plan_load(
     models that cannot be evicted (idle ones may be evicted for a larger context).
     When not even ``min_ctx`` fits, the plan is sized at ``min_ctx``: ``policy.decide``
     then waits for busy models or refuses with the numbers."""
-    kv_type, slots = settings.kv_type, settings.slots
+    kv_type, slots = settings.kv_type, settings.slots_for(spec.id)
     if not has_context(spec):
         fp = estimate.footprint(spec, 0, 1, kv_type, measured)
         return Plan(LoadRequest(spec.id, fp.total), fp, 0, kv_type, 1)
@@ -86,9 +86,10 @@ def start_options(settings: Settings, plan: Plan) -> dict[str, Any]:
         "threads": settings.threads,
         "mlock": settings.mlock,
         "max_tokens_cap": settings.max_tokens_cap,
+        # The engine's RAM prompt cache: a grant from the budget, never the engine's default.
+        "cache_ram_bytes": settings.kv_ram_max if settings.kv_cache else 0,
         "kv_cache": settings.kv_cache,
         "kv_cache_dir": str(settings.kv_cache_path),
-        "kv_ram_max": settings.kv_ram_max,
         "kv_disk_max": settings.kv_disk_max,
         "kv_block_tokens": settings.kv_block_tokens,
     }

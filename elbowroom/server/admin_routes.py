@@ -1,4 +1,8 @@
-"""Admin API under /api: what is loaded, load/unload by hand, the memory report."""
+"""Admin API under /api: what is loaded, load/unload by hand, the memory report.
+
+``/api/ps`` is Ollama's path: its handler (ollama_routes) answers in Ollama's shape with
+these rows riding along. elbowroom's own view, unchanged, is ``/api/elbowroom/ps``.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
-from elbowroom.server.deps import get_services
+from elbowroom.server.deps import Services, get_services
 
 router = APIRouter(prefix="/api")
 
@@ -18,10 +22,17 @@ class LoadRequest(BaseModel):
     pin: bool | None = None  # True pins, False unpins, absent keeps the pin as it is
 
 
-@router.get("/ps")
+@router.get("/elbowroom/ps")
 async def ps(request: Request) -> dict[str, Any]:
-    scheduler = get_services(request).scheduler
-    rows = scheduler.ps()
+    services = get_services(request)
+    rows = await ps_rows(services)
+    return {"models": rows, "memory": summary(services.scheduler.memory_report())}
+
+
+async def ps_rows(services: Services) -> list[dict[str, Any]]:
+    """The scheduler's rows, each with its runner's ``engine_stats``."""
+    scheduler = services.scheduler
+    rows: list[dict[str, Any]] = scheduler.ps()
     # Engine stats (e.g. the KV prefix cache's entries, bytes and hits per tier) come from
     # each ready runner; asked concurrently so one slow runner delays the answer only by
     # its own stats timeout.
@@ -29,7 +40,7 @@ async def ps(request: Request) -> dict[str, Any]:
     stats = await asyncio.gather(*(r.stats() if r is not None else _no_stats() for r in runners))
     for row, engine_stats in zip(rows, stats, strict=True):
         row["engine_stats"] = engine_stats
-    return {"models": rows, "memory": _summary(scheduler.memory_report())}
+    return rows
 
 
 async def _no_stats() -> dict[str, Any]:
@@ -63,7 +74,7 @@ async def memory(request: Request, history: bool = False) -> dict[str, Any]:
     return report
 
 
-def _summary(report: dict[str, Any]) -> dict[str, Any]:
+def summary(report: dict[str, Any]) -> dict[str, Any]:
     """The few numbers `elbowroom ps` shows under its table."""
     limit = report.get("limit")
     return {

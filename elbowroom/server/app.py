@@ -23,7 +23,7 @@ from elbowroom.config import Settings
 from elbowroom.errors import ElbowroomError
 from elbowroom.guard.admission import AdmissionMiddleware
 from elbowroom.memory.types import Probe
-from elbowroom.server import admin_routes, openai_routes
+from elbowroom.server import admin_routes, dashboard_routes, ollama_routes, openai_routes
 from elbowroom.server.auth import ApiKeyMiddleware
 from elbowroom.server.deps import Services
 from elbowroom.server.errors import install_error_handlers
@@ -82,6 +82,8 @@ def create_app(
     # gets further, not even into metrics labels), then metrics (which so also counts the
     # guard's refusals), then the guard's admission gate (503 under hard memory pressure).
     app.add_middleware(AdmissionMiddleware, guard=lambda: _guard_of(app))
+    # Outside the guard's gate, so its 503s are on the dashboard's timeline too.
+    app.add_middleware(dashboard_routes.RefusalEvents, events=lambda: _events_of(app))
     app.add_middleware(MetricsMiddleware)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
@@ -92,6 +94,8 @@ def create_app(
 
     app.include_router(openai_routes.router)
     app.include_router(admin_routes.router)
+    app.include_router(ollama_routes.router)
+    app.include_router(dashboard_routes.router)
     for name in OPTIONAL_ROUTERS:
         if _exists(name):
             app.include_router(importlib.import_module(name).router)
@@ -105,6 +109,11 @@ def _exists(module: str) -> bool:
 def _guard_of(app: FastAPI) -> Any:
     services: Services | None = getattr(app.state, "services", None)
     return services.guard if services is not None else None
+
+
+def _events_of(app: FastAPI) -> Any:
+    services: Services | None = getattr(app.state, "services", None)
+    return getattr(services.scheduler, "events", None) if services is not None else None
 
 
 async def start_services(settings: Settings, *, probe: Probe | None = None) -> Services:

@@ -13,6 +13,7 @@ import json
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from elbowroom.errors import Unauthorized
+from elbowroom.server.ollama_shapes import error_body, is_ollama_path
 
 PROTECTED_PREFIXES = ("/v1", "/api")
 
@@ -31,7 +32,8 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         err = Unauthorized(problem, code="invalid_api_key")
-        body = json.dumps(err.to_openai()).encode()
+        ollama = is_ollama_path(scope.get("path", ""))
+        body = json.dumps(error_body(err) if ollama else err.to_openai()).encode()
         await send(
             {
                 "type": "http.response.start",

@@ -46,9 +46,15 @@ ENDPOINTS = {
     "/v1/audio/transcriptions": "transcriptions",
     "/v1/audio/translations": "translations",
     "/v1/audio/speech": "speech",
+    # Ollama's API (ollama_routes)
+    "/api/chat": "ollama_chat",
+    "/api/generate": "ollama_generate",
+    "/api/embed": "ollama_embed",
+    "/api/embeddings": "ollama_embeddings",
 }
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
+_STREAM_TYPES = (b"text/event-stream", b"application/x-ndjson")  # OpenAI's SSE, Ollama's NDJSON
 _BODY_PEEK = 64 * 1024  # bytes of a request body searched for its "model"
 _MODEL_LABEL_MAX = 64
 
@@ -393,7 +399,7 @@ class MetricsMiddleware:
             if msg["type"] == "http.response.start":
                 status = int(msg["status"])
                 for name, value in msg.get("headers", ()):
-                    if name.lower() == b"content-type" and value.startswith(b"text/event-stream"):
+                    if name.lower() == b"content-type" and value.startswith(_STREAM_TYPES):
                         streaming = True
             elif msg["type"] == "http.response.body":
                 body = msg.get("body", b"")

@@ -155,7 +155,7 @@ class ServerProcess:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key or "unused", **kw)
 
     def ps(self) -> list[dict[str, Any]]:
-        r = httpx.get(self.url + "/api/ps", headers=self.headers, timeout=30)
+        r = httpx.get(self.url + "/api/elbowroom/ps", headers=self.headers, timeout=30)
         r.raise_for_status()
         return list(r.json()["models"])
 

@@ -90,7 +90,7 @@ def test_both_llms_load_one_at_a_time_in_800_mib_beside_a_200_mb_neighbour(
         oom_before = cg.oom_kills
 
         plans = {model: _plan(cg, tmp_path, model) for model in MODELS}
-        for model, plan in plans.items():
+        for plan in plans.values():
             assert plan["limit"]["rule"] == "container", plan["limit"]
             assert plan["fit"]["ok"], plan["fit"]
 

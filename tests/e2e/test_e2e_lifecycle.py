@@ -54,10 +54,13 @@ def test_api_key(server_factory: ServerFactory) -> None:
     server = server_factory(api_key="sekrit")
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     for headers in ({}, {"Authorization": "Bearer nope"}):
-        for path in ("/v1/models", "/api/ps", "/api/memory"):
+        for path in ("/v1/models", "/api/elbowroom/ps", "/api/memory"):
             r = httpx.get(server.url + path, headers=headers)
             assert r.status_code == 401, (path, headers)
             assert r.json()["error"]["type"] == "authentication_error"
+        # Ollama's routes say it in Ollama's shape.
+        r = httpx.get(server.url + "/api/ps", headers=headers)
+        assert r.status_code == 401 and "API key" in r.json()["error"]
         r = httpx.post(
             server.url + "/v1/chat/completions",
             headers=headers,

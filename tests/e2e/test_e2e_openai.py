@@ -4,6 +4,8 @@ driven by the official openai client; bad input of every kind; the ps/load/unloa
 from __future__ import annotations
 
 import json
+import threading
+import time
 from typing import Any
 
 import httpx
@@ -223,3 +225,38 @@ def test_unreachable_server_is_a_clear_cli_error(server: ServerProcess) -> None:
     )
     assert r.returncode == 1 and "cannot reach the server" in r.stderr
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_four_clients_are_served_at_once_in_four_slots(server: ServerProcess) -> None:
+    """Continuous batching through the whole stack: every client's first token arrives
+    before any client's reply is complete (served one after another, the 4th would wait
+    for three whole replies)."""
+    firsts: dict[int, float] = {}
+    ends: dict[int, float] = {}
+    errors: list[BaseException] = []
+
+    def client(i: int) -> None:
+        try:
+            stream = server.openai().chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": f"Tell story number {i}."}],
+                max_tokens=40,
+                temperature=0,
+                stream=True,
+            )
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    firsts.setdefault(i, time.monotonic())
+            ends[i] = time.monotonic()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=240)
+    assert not errors and len(ends) == 4
+    assert max(firsts.values()) < min(ends.values())
+    (row,) = [r for r in server.ps() if r["id"] == MODEL]
+    assert row["slots"] == 4 and row["waiting"] == 0

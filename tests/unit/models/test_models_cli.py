@@ -55,11 +55,11 @@ def test_ls_json_lists_models_with_footprints(
     rows = {m["id"]: m for m in data["models"]}
     assert {"smollm2-135m", "tiny"} <= set(rows)
     smol = rows["smollm2-135m"]
-    assert smol["n_ctx"] == 8192 and smol["n_ctx_source"] == "auto"
+    assert smol["n_ctx"] == 4096 and smol["n_ctx_source"] == "auto"  # max_ctx, per slot
     assert smol["fits"] is True and smol["shortfall"] == 0
     fp = smol["footprint"]
     assert fp["total"] == fp["anonymous"] + fp["file_backed"]
-    assert fp["kv_bytes"] == 23040 * 8192
+    assert fp["kv_bytes"] == 23040 * 4096 * 4  # four slots (the default) each own 4096
     assert rows["tiny"]["source"] == "models_dir"
     assert data["limit"]["winner"] in {c["name"] for c in data["limit"]["candidates"]}
     assert [p["path"] for p in data["problems"]] == [str(models / "junk.gguf")]
@@ -127,7 +127,7 @@ def test_plan_json_arithmetic(data_dir: Path, capsys: pytest.CaptureFixture[str]
     assert code == 0
     fp = data["footprint"]
     assert (fp["n_ctx"], fp["kv_type"], fp["kv_bytes_per_token"]) == (4096, "q8_0", 12240)
-    assert fp["kv_bytes"] == 12240 * 4096
+    assert fp["kv_bytes"] == 12240 * 4096 * fp["slots"]
     assert fp["anonymous"] == fp["kv_bytes"] + fp["overhead"]
     assert data["context"]["source"] == "--ctx"
     assert data["context"]["largest_fitting"] == 8192
@@ -143,9 +143,10 @@ def test_plan_text_walks_through_the_steps(
     assert code == 0
     for step in range(1, 9):
         assert f"\n{step}. " in out
-    assert "22.5 KiB/token; × 8192 × 1 slot(s) = 180.0 MiB" in out
+    # four slots (the default), each with its own context
+    assert "22.5 KiB/token; × 4096 × 4 slot(s) = 360.0 MiB" in out
     assert "rule: override" in out and "prompt-cache grant:" in out
-    assert "largest context that fits: 8192" in out
+    assert "largest context that fits: 8192 (auto-sizing stops at max_ctx 4096)" in out
 
 
 def test_plan_that_cannot_fit_exits_1_with_the_numbers(
@@ -162,7 +163,7 @@ def test_plan_suggests_a_context_that_fits(
     data_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     flags = limit_to(monkeypatch, 360 * MiB)  # load ceiling 306 MiB
-    code, data = run_json(capsys, "plan", "smollm2-135m", "--ctx", "8192", *flags)
+    code, data = run_json(capsys, "plan", "smollm2-135m", "--ctx", "8192", "--slots", "1", *flags)
     assert code == 1
     largest = data["context"]["largest_fitting"]
     assert 0 < largest < 8192 and largest % 256 == 0

@@ -302,6 +302,8 @@ def harness(*specs: ModelSpec, actual: dict[str, int] | None = None, **overrides
     base: dict[str, Any] = {
         "os_reserve": 0,
         "safety_margin": 0,
+        "slots": 1,  # the sizing arithmetic in these tests is per one sequence
+        "max_ctx": 8192,
         "data_dir": Path("/nonexistent/elbowroom-test"),
         "kv_cache_dir": Path("/nonexistent/elbowroom-test/kv"),
     }

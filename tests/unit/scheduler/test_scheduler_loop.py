@@ -80,7 +80,7 @@ def test_runner_start_options_carry_the_settings() -> None:
         opts = h.runner("llm").options
         assert opts is not None
         assert opts["n_ctx"] == 2048 and opts["kv_type"] == "q8_0" and opts["slots"] == 2
-        assert opts["threads"] == 3 and opts["kv_ram_max"] == 64 * MiB
+        assert opts["threads"] == 3 and opts["cache_ram_bytes"] == 64 * MiB
         assert opts["kv_cache_dir"] == "/nonexistent/elbowroom-test/kv"
         assert {"mlock", "max_tokens_cap", "kv_cache", "kv_disk_max", "kv_block_tokens"} <= set(
             opts
@@ -407,16 +407,32 @@ def test_queue_full_is_503_with_retry_after() -> None:
     run(scenario())
 
 
-def test_concurrency_limits_requests_in_flight() -> None:
+def test_an_llm_serves_as_many_requests_as_its_slots_and_queues_the_rest() -> None:
     async def scenario() -> None:
-        h = harness(A, concurrency=2)
-        await request(h, "a")
-        gate = h.machine.holds["a"] = asyncio.Event()
-        tasks = [asyncio.create_task(request(h, "a")) for _ in range(3)]
+        h = harness(LLM, slots=2)
+        await request(h, "llm")
+        gate = h.machine.holds["llm"] = asyncio.Event()
+        tasks = [asyncio.create_task(request(h, "llm")) for _ in range(3)]
         await until(lambda: h.sched.ps()[0]["waiting"] == 1)
-        assert h.runner("a").in_request == 2 and h.sched.ps()[0]["busy"] == 2
+        assert h.runner("llm").in_request == 2 and h.sched.ps()[0]["busy"] == 2
         gate.set()
         assert await asyncio.gather(*tasks) == ["ok"] * 3
+
+    run(scenario())
+
+
+def test_per_model_slots_override_the_default_and_other_engines_take_one() -> None:
+    async def scenario() -> None:
+        h = harness(LLM, A, slots=4, model_slots=("llm=3",))
+        await request(h, "llm")
+        await request(h, "a")
+        gates = {m: h.machine.holds.setdefault(m, asyncio.Event()) for m in ("llm", "a")}
+        tasks = [asyncio.create_task(request(h, m)) for m in ("llm",) * 4 + ("a",) * 2]
+        await until(lambda: sum(row["waiting"] for row in h.sched.ps()) == 2)
+        assert h.runner("llm").in_request == 3 and h.runner("a").in_request == 1
+        for gate in gates.values():
+            gate.set()
+        assert await asyncio.gather(*tasks) == ["ok"] * 6
 
     run(scenario())
 

@@ -60,7 +60,8 @@ def test_api_key_guards_v1_and_api_but_not_health(
     assert h.client.get("/health").status_code == 200
     for method, path in (
         ("GET", "/v1/models"),
-        ("GET", "/api/ps"),
+        ("GET", "/api/elbowroom/ps"),
+        ("GET", "/api/memory"),
         ("GET", "/v1/unknown"),
         ("POST", "/v1/chat/completions"),
     ):
@@ -71,6 +72,13 @@ def test_api_key_guards_v1_and_api_but_not_health(
             assert r.json()["error"]["code"] == "invalid_api_key"
     ok = h.client.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
     assert ok.status_code == 200
+    # Ollama's routes answer in Ollama's shape; the dashboard page itself holds no data.
+    for method, path in (("GET", "/api/ps"), ("GET", "/api/tags"), ("POST", "/api/chat")):
+        r = h.client.request(method, path)
+        assert r.status_code == 401
+        assert r.json()["error"].startswith("Missing API key")
+    assert h.client.get("/ui").status_code == 200
+    assert h.client.get("/api/elbowroom/dashboard").status_code == 401
 
 
 @pytest.mark.parametrize(

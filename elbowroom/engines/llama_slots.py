@@ -1,0 +1,230 @@
+"""Which slot serves a request, and the KV prefix cache's disk tier on the engine's slots.
+
+Tiers: the engine's own RAM prompt cache (``cache_ram_mib``, elbowroom's grant) keeps
+recent prompt states in memory and restores them into any slot by itself. What it cannot
+do is outlive the process: an unloaded, evicted or restarted model starts cold. So when a
+runner stops, every slot's state is saved (the engine's slot save) into the disk tier of
+``kvcache.PrefixCache`` — elbowroom's file format, model identity, checksum, atomic
+writes, byte cap — and a later request whose prompt shares a prefix with a saved state has
+it restored into its slot first (slot restore), if the cost model says restoring is
+cheaper than recomputing those tokens. The engine then reuses the common token prefix.
+
+Slots are assigned here, not by the engine: each request takes a free slot (there is
+always one: the runner runs at most ``slots`` requests at once), preferring the slot whose
+last request shares the longest prefix with this one, so a conversation keeps its slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from elbowroom.engines.llama_control import EngineControl
+from elbowroom.kvcache import CacheKey, PrefixCache
+from elbowroom.kvcache.blocks import common_prefix
+
+log = logging.getLogger(__name__)
+
+SEQ_MAGIC = 0x67677371  # llama.cpp's LLAMA_STATE_SEQ_MAGIC ("ggsq")
+_HEAD = struct.Struct("<II")  # magic, version
+MAX_KEY_CHARS = 4096  # of a request's text kept to pick slots by prefix
+# A shared beginning shorter than this (a role name, a greeting) does not make a slot "the
+# conversation's": the least recently used slot is taken instead, so no live state is
+# overwritten for nothing.
+MIN_SHARED_CHARS = 64
+
+
+def is_slot_state(blob: bytes) -> bool:
+    """Whether ``blob`` starts like an engine slot file (anything else is never stored)."""
+    return len(blob) >= _HEAD.size and _HEAD.unpack_from(blob)[0] == SEQ_MAGIC
+
+
+def _text_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Slots:
+    def __init__(
+        self,
+        control: EngineControl,
+        slots: int,
+        cache: PrefixCache | None,
+        save_dir: Path,
+        block_tokens: int,
+    ) -> None:
+        self._control = control
+        self._cache = cache
+        self._save_dir = save_dir
+        self.block_tokens = max(1, block_tokens)
+        self._lock = threading.Lock()
+        self._free = set(range(slots))  # slots no request is running on
+        self._last_key = dict.fromkeys(range(slots), "")
+        self._last_used = dict.fromkeys(range(slots), 0.0)
+        self._tokens: dict[int, tuple[int, ...]] = dict.fromkeys(range(slots), ())
+        # The last prompt each slot served (op, template body): what a saved state is
+        # indexed by. The engine's file holds the tokens too, in a layout that is not API.
+        self._prompts: dict[int, tuple[str, dict[str, Any]]] = {}
+        self.restored_tokens = 0
+
+    @staticmethod
+    def create(control: EngineControl, slots: int, key: CacheKey, options: dict[str, Any]) -> Slots:
+        save_dir = control.dir / "slots"
+        save_dir.mkdir(mode=0o700)
+        block = int(options.get("kv_block_tokens") or 64)
+        cache = None
+        disk_max = int(options.get("kv_disk_max") or 0)
+        if options.get("kv_cache", True) and disk_max > 0 and options.get("kv_cache_dir"):
+            # ram_budget 0: the engine's prompt cache is the RAM tier; entries go to disk.
+            cache = PrefixCache(
+                key,
+                block_tokens=block,
+                ram_budget=0,
+                disk_dir=Path(options["kv_cache_dir"]),
+                disk_max=disk_max,
+            )
+        return Slots(control, slots, cache, save_dir, block)
+
+    @property
+    def save_path(self) -> str:
+        return str(self._save_dir) + os.sep  # the engine joins path + filename as strings
+
+    # ---- slot assignment ---------------------------------------------------------------
+
+    def acquire(self, key: str) -> int:
+        key = key[:MAX_KEY_CHARS]
+
+        def score(s: int) -> tuple[int, float]:
+            last = self._last_key[s]
+            shared = _text_prefix(last, key)
+            # A slot counts when it shares a real beginning, or this request continues
+            # (or repeats) everything the slot last held.
+            useful = shared > 0 and shared >= min(MIN_SHARED_CHARS, len(last))
+            return (shared if useful else 0, -self._last_used[s])
+
+        with self._lock:
+            slot = max(self._free, key=score)
+            self._free.discard(slot)
+            self._last_key[slot] = key
+            self._last_used[slot] = time.monotonic()
+            return slot
+
+    def release(self, slot: int) -> None:
+        with self._lock:
+            self._free.add(slot)
+
+    # ---- disk tier ---------------------------------------------------------------------
+
+    def prepare(self, slot: int, op: str, body: dict[str, Any]) -> int:
+        """Restore a saved state into ``slot`` when it holds a longer usable prefix of this
+        prompt than the slot does; return the tokens restored (0: none)."""
+        cache = self._cache
+        if cache is None:
+            return 0
+        self._prompts[slot] = (op, body)
+        if cache.stats()["entries_disk"] == 0:
+            self._tokens[slot] = ()  # unknown until tokenized: nothing to compare yet
+            return 0
+        try:
+            tokens = self._prompt_tokens(op, body)
+        except (OSError, RuntimeError, ValueError) as exc:
+            log.warning("KV disk tier: could not tokenize the prompt: %s", exc)
+            return 0
+        live = common_prefix(self._tokens[slot], tokens)
+        hit = cache.lookup(tokens, live)
+        self._tokens[slot] = tuple(tokens)
+        if hit is None:
+            return 0
+        if not cache.restore(hit, lambda blob: self._restore(slot, blob)):
+            return 0
+        self.restored_tokens += hit.n_tokens
+        return int(hit.n_tokens)
+
+    def observe_prefill(self, timings: dict[str, Any]) -> None:
+        """The engine's measured prefill speed teaches the restore-vs-recompute model."""
+        if self._cache is not None and timings.get("prompt_n", 0) > 0:
+            self._cache.observe_prefill(int(timings["prompt_n"]), timings["prompt_ms"] / 1000)
+
+    def _prompt_tokens(self, op: str, body: dict[str, Any]) -> list[int]:
+        if op == "chat" and "messages" in body:
+            rendered = self._control.request("POST", "/apply-template", body)["prompt"]
+        else:
+            rendered = str(body.get("prompt", ""))
+        out = self._control.request(
+            "POST", "/tokenize", {"content": rendered, "add_special": True, "parse_special": True}
+        )
+        return [int(t) for t in out["tokens"]]
+
+    def _restore(self, slot: int, blob: bytes | bytearray) -> bool:
+        name = f"restore-{slot}.bin"
+        path = self._save_dir / name
+        try:
+            path.write_bytes(blob)
+            self._control.request("POST", f"/slots/{slot}?action=restore", {"filename": name})
+        except (OSError, RuntimeError, ValueError) as exc:
+            log.warning("KV disk tier: restoring into slot %d failed: %s", slot, exc)
+            return False
+        finally:
+            path.unlink(missing_ok=True)
+        return True
+
+    def save_idle(self) -> int:
+        """Under pressure: the states of the slots no request runs on (they are held
+        meanwhile, so no request starts on one while it is saved)."""
+        with self._lock:
+            idle = sorted(self._free)
+            self._free.difference_update(idle)
+        try:
+            return self._save(idle)
+        finally:
+            with self._lock:
+                self._free.update(idle)
+
+    def save_all(self) -> int:
+        """Before the runner exits: every slot's state into the disk tier. Returns the
+        number of entries written."""
+        return self._save(sorted(self._prompts))
+
+    def _save(self, slots: list[int]) -> int:
+        if self._cache is None:
+            return 0
+        written = 0
+        started = time.perf_counter()
+        for slot in slots:
+            if slot not in self._prompts:
+                continue
+            op, body = self._prompts[slot]
+            name = f"save-{slot}.bin"
+            path = self._save_dir / name
+            try:
+                tokens = tuple(self._prompt_tokens(op, body))
+                if not self._cache.wants(tokens):
+                    continue  # too short, or a saved state already covers it
+                self._control.request("POST", f"/slots/{slot}?action=save", {"filename": name})
+                blob = path.read_bytes()
+            except (OSError, RuntimeError, ValueError) as exc:
+                log.debug("slot %d not saved: %s", slot, exc)
+                continue
+            finally:
+                path.unlink(missing_ok=True)
+            if is_slot_state(blob) and self._cache.store(tokens, blob):
+                written += 1
+        self._cache.flush()
+        if written:
+            log.info(
+                "KV disk tier: saved %d slot state(s) in %.0f ms",
+                written,
+                (time.perf_counter() - started) * 1000,
+            )
+        return written
+
+    def stats(self) -> dict[str, Any]:
+        return self._cache.stats() if self._cache is not None else {}

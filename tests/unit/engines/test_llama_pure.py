@@ -1,0 +1,171 @@
+"""The LLM engine's pure parts: stream accumulation, tool-call emulation, slot choice."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+
+from elbowroom.engines.llama_control import EngineControl
+from elbowroom.engines.llama_slots import SEQ_MAGIC, Slots, is_slot_state
+from elbowroom.engines.llama_stream import StreamState
+from elbowroom.engines.llama_tools import parse, plan
+from elbowroom.errors import BadRequest
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+
+
+def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+
+
+def test_stream_state_joins_text_usage_and_logprobs() -> None:
+    s = StreamState(chat=True)
+    assert s.feed(chunk({"role": "assistant", "content": None})) == []
+    lp = [{"token": "Hi", "logprob": -0.1, "top_logprobs": []}]
+    out = s.feed({"choices": [{"delta": {"content": "Hi"}, "logprobs": {"content": lp}}]})
+    assert out == [{"type": "delta", "text": "Hi", "logprobs": lp}]
+    s.feed(chunk({"content": " there"}, "length"))
+    s.feed(
+        {
+            "choices": [],
+            "usage": {
+                "prompt_tokens": 7,
+                "completion_tokens": 2,
+                "prompt_tokens_details": {"cached_tokens": 5},
+            },
+            "timings": {"prompt_n": 2, "prompt_ms": 3.0, "other": 1},
+        }
+    )
+    r = s.result()
+    assert r["text"] == "Hi there" and r["finish_reason"] == "length"
+    assert r["usage"] == {"prompt_tokens": 7, "completion_tokens": 2, "cached_tokens": 5}
+    assert r["logprobs"] == lp and r["timings"] == {"prompt_n": 2, "prompt_ms": 3.0}
+    assert s.result("cancelled")["finish_reason"] == "cancelled"
+
+
+def test_stream_state_assembles_streamed_tool_calls() -> None:
+    s = StreamState(chat=True)
+    first = {"index": 0, "id": "call_1", "function": {"name": "get_weather", "arguments": '{"ci'}}
+    out = s.feed(chunk({"tool_calls": [first]}))
+    assert out[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"ci'}
+    s.feed(chunk({"tool_calls": [{"index": 0, "function": {"arguments": 'ty": "Oslo"}'}}]}))
+    s.feed(chunk({}, "tool_calls"))
+    (call,) = s.result()["tool_calls"]
+    assert call == {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+    }
+    assert s.result()["finish_reason"] == "tool_calls"
+
+
+def test_stream_state_keeps_the_engine_error() -> None:
+    s = StreamState(chat=False)
+    s.feed({"error": {"code": 400, "message": "bad", "type": "invalid_request_error"}})
+    assert s.error == {"code": 400, "message": "bad", "type": "invalid_request_error"}
+    s2 = StreamState(chat=False)
+    assert s2.feed({"choices": [{"text": "ab"}]}) == [{"type": "delta", "text": "ab"}]
+
+
+def _messages() -> list[dict[str, Any]]:
+    return [{"role": "user", "content": "Weather in Oslo?"}]
+
+
+def test_native_templates_get_the_tools_and_a_named_choice_becomes_required() -> None:
+    body = {"messages": _messages(), "tools": [WEATHER, TIME], "tool_choice": "auto"}
+    p = plan(body, native=True)
+    assert not p.emulated and p.body["tools"] == [WEATHER, TIME]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    p = plan({**body, "tool_choice": named}, native=True)
+    assert p.body["tools"] == [TIME] and p.body["tool_choice"] == "required"
+
+
+def test_emulated_required_constrains_the_output_to_a_call_object() -> None:
+    p = plan({"messages": _messages(), "tools": [WEATHER], "tool_choice": "required"}, False)
+    assert p.emulated and "tools" not in p.body
+    schema = p.body["response_format"]["json_schema"]["schema"]
+    assert schema["properties"]["name"] == {"const": "get_weather"}
+    assert schema["properties"]["arguments"] == WEATHER["function"]["parameters"]
+    system = p.body["messages"][0]
+    assert system["role"] == "system" and "get_weather" in system["content"]
+
+
+def test_emulated_auto_allows_a_plain_answer_and_none_drops_the_tools() -> None:
+    p = plan({"messages": _messages(), "tools": [WEATHER, TIME]}, False)
+    variants = p.body["response_format"]["json_schema"]["schema"]["anyOf"]
+    assert len(variants) == 3 and "content" in variants[-1]["properties"]
+    p = plan({"messages": _messages(), "tools": [WEATHER], "tool_choice": "none"}, False)
+    assert not p.emulated and "response_format" not in p.body and "tools" not in p.body
+
+
+def test_a_named_choice_missing_from_tools_is_a_bad_request() -> None:
+    choice = {"type": "function", "function": {"name": "nope"}}
+    with pytest.raises(BadRequest):
+        plan({"messages": _messages(), "tools": [WEATHER], "tool_choice": choice}, False)
+
+
+def test_earlier_tool_turns_become_text_for_templates_without_tools() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    msgs = [
+        *_messages(),
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    p = plan({"messages": msgs, "tools": [WEATHER], "tool_choice": "required"}, False)
+    assert p.body["messages"][2]["role"] == "assistant"
+    assert json.loads(p.body["messages"][2]["content"])["name"] == "get_weather"
+    assert p.body["messages"][3] == {"role": "user", "content": "Tool result: sunny"}
+
+
+def test_parse_turns_emulated_replies_into_calls_or_content() -> None:
+    content, calls = parse('{"name": "get_weather", "arguments": {"city": "Oslo"}}')
+    assert content == "" and calls[0]["function"]["name"] == "get_weather"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+    assert calls[0]["id"].startswith("call_")
+    assert parse('{"content": "Hello"}') == ("Hello", [])
+    assert parse('{"name": "get_wea') == ('{"name": "get_wea', [])  # cut short: no call
+
+
+class _NoControl:
+    def request(self, *a: Any, **k: Any) -> Any:
+        raise AssertionError("slot choice needs no engine call")
+
+
+def test_a_conversation_keeps_its_slot_and_strangers_take_the_least_recent() -> None:
+    control = cast(EngineControl, _NoControl())
+    slots = Slots(control, 3, None, save_dir=Path("/nonexistent"), block_tokens=64)
+    story = "system: You are a storyteller who knows many old tales. " * 3
+    a = slots.acquire(story + "user: once upon")
+    slots.release(a)
+    b = slots.acquire("user: hi")  # shares nothing: another slot
+    assert b != a
+    slots.release(b)
+    c = slots.acquire("user: what is 2+2")  # shares "user: " with b only: not enough
+    assert c not in (a, b)
+    slots.release(c)
+    again = slots.acquire(story + "user: once upon a time")  # continues a's conversation
+    assert again == a
+    busy = slots.acquire(story + "user: once upon a time there")  # a is busy now
+    assert busy != a
+
+
+def test_only_engine_slot_files_are_stored() -> None:
+    good = SEQ_MAGIC.to_bytes(4, "little") + (4).to_bytes(4, "little") + b"\0" * 8
+    assert is_slot_state(good)
+    assert not is_slot_state(b"ELBKV\r\n\x1a" + b"\0" * 8)
+    assert not is_slot_state(b"gg")
