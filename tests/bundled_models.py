@@ -72,7 +72,7 @@ SMOLLM2_INFO = GGUFInfo(
     n_vocab=49152,
     n_ff=1536,
     tensor_bytes=96_576_768,
-    matmul_bytes=(("Q4_1", 66_355_200),),
+    matmul_bytes=(("Q4_1", 66_355_200), ("Q8_0", 30_081_024)),  # tied: token_embd too
 )
 # gemma3-270m's (Q4_K_M): sliding window 512 on 5 of every 6 layers, a 262,144 vocabulary.
 GEMMA3_INFO = GGUFInfo(
@@ -95,6 +95,6 @@ GEMMA3_INFO = GGUFInfo(
         ("Q4_K", 13_271_040),
         ("Q5_0", 43_591_680),
         ("Q6_K", 9_676_800),
-        ("Q8_0", 1_566_720),
+        ("Q8_0", 179_824_640),  # token_embd too: tied, it is the output projection
     ),
 )

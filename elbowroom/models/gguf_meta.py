@@ -210,9 +210,13 @@ _LOOKUP_TENSORS = ("token_embd.", "per_layer_token_embd.", "position_embd.", "to
 
 def _matmul_bytes(reader: GGUFReader) -> tuple[tuple[str, int], ...]:
     by_type: dict[str, int] = {}
+    # Tied embeddings (no output.weight): the output projection multiplies token_embd, and
+    # llama.cpp repacks a copy of it for that (qwen2-style models at q4_0: +23.6 MiB).
+    tied = not any(t.name == "output.weight" for t in reader.tensors)
     for t in reader.tensors:
         shape = [int(d) for d in t.shape]
-        if len(shape) < 2 or shape[1] % 8 or t.name.startswith(_LOOKUP_TENSORS):
+        lookup = t.name.startswith(_LOOKUP_TENSORS) and not (tied and t.name == "token_embd.weight")
+        if len(shape) < 2 or shape[1] % 8 or lookup:
             continue
         name = t.tensor_type.name
         by_type[name] = by_type.get(name, 0) + int(t.n_bytes)
