@@ -277,8 +277,9 @@ def assess(snap: Snapshot, own_usage: int, limit: Limit, cfg: BudgetConfig) -> A
     Our usage against the thresholds, then exhaustion (host: effective available under the
     safety margin → hard, under twice it → soft, both floors shrinking to (1 − hard_fraction)
     / (1 − load_fraction) of total where the margin would be most of the memory; container
-    and override: under half the container margin → hard, under the margin → soft), then PSI
-    and the macOS pressure level — which only ever raise the level.
+    and override: under (1 − hard_fraction) / 2 of total → hard, under (1 − load_fraction) / 2
+    → soft, at least 16 / 32 MiB), then PSI and the macOS pressure level — which only ever
+    raise the level.
     """
     fs = format_size
     found: list[tuple[Pressure, str]] = []
@@ -290,12 +291,14 @@ def assess(snap: Snapshot, own_usage: int, limit: Limit, cfg: BudgetConfig) -> A
         hard_floor = min(cfg.safety_margin, int(snap.total * (1 - cfg.hard_fraction)))
         soft_floor = min(2 * cfg.safety_margin, int(snap.total * (1 - cfg.load_fraction)))
     else:
-        # A container loaded to its ceiling keeps (1 − load_fraction) of what is available
-        # to us free, which in a small container with neighbours is barely more than the
-        # margin: soft below the margin, hard below half of it, so the ceiling is not soft.
-        margin = cfg.container_margin
-        margin = container_margin(snap.total) if margin is None else margin
-        hard_floor, soft_floor = margin // 2, margin
+        # A container loaded to its ceiling keeps (1 − load_fraction) of what the server and
+        # neighbours leave it free: soft when less than half that share of the whole
+        # container is left (7.5 %), so a container with neighbours loaded to its ceiling is
+        # not soft yet; hard under half of (1 − hard_fraction) (2.5 %), before the OOM
+        # killer. Proportional to the container, not to the container_margin knob (what a
+        # user holds back is no measure of how close the OOM killer is); at least 32 / 16 MiB.
+        soft_floor = max(CONTAINER_MARGIN_FLOOR, int(snap.total * (1 - cfg.load_fraction) / 2))
+        hard_floor = max(CONTAINER_MARGIN_FLOOR // 2, int(snap.total * (1 - cfg.hard_fraction) / 2))
     if snap.available < hard_floor:
         found.append(
             (Pressure.HARD, f"available {fs(snap.available)} < {fs(hard_floor)} (machine-wide)")

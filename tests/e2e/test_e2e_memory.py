@@ -3,9 +3,9 @@ one LLM but not both, and 507 refusals with their numbers.
 
 The footprints are measured first (a server loads both models and reports their bytes);
 the limited server shares that server's data folder, so its predictions are those
-measurements. ELBOWROOM_OS_RESERVE is set so that the limit is exactly
-``override - reserve`` (the reserve candidate wins over the 80 % fraction and over
-"available", see docs/memory.md), which makes the arithmetic of the test exact.
+measurements. ELBOWROOM_CONTAINER_MARGIN is set so that the limit is exactly
+``override - margin`` (an override gets the container rule, and the container candidate
+wins over "available", see docs/memory.md), which makes the arithmetic of the test exact.
 """
 
 from __future__ import annotations
@@ -77,11 +77,11 @@ def limited_server(
         home=home,
         env={
             "ELBOWROOM_OVERRIDE_MEMORY": str(limit + RESERVE),
-            "ELBOWROOM_OS_RESERVE": str(RESERVE),
+            "ELBOWROOM_CONTAINER_MARGIN": str(RESERVE),
         },
     )
     report = server.memory()
-    assert report["limit"]["winner"] == "reserve", report["limit"]
+    assert report["limit"]["winner"] == "container", report["limit"]
     return server, int(report["limit"]["value"])
 
 

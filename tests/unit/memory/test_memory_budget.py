@@ -306,10 +306,16 @@ def test_container_loaded_to_the_ceiling_is_not_under_pressure() -> None:
     after = memory_limit(at_ceiling, limit.ceiling, CFG)
     assert after.value == limit.value
     assert assess(at_ceiling, limit.ceiling, after, CFG).level is Pressure.NORMAL
-    # the floors are the container margin (40 MiB) and half of it
-    assert level(cgroup_snap(800 * MiB, 50 * MiB), 0) is Pressure.NORMAL
-    assert level(cgroup_snap(800 * MiB, 30 * MiB), 0) is Pressure.SOFT
-    assert level(cgroup_snap(800 * MiB, 15 * MiB), 0) is Pressure.HARD
+    # soft under 7.5 % of the container (60 MiB), hard under 2.5 % (20 MiB)
+    assert level(cgroup_snap(800 * MiB, 61 * MiB), 0) is Pressure.NORMAL
+    assert level(cgroup_snap(800 * MiB, 59 * MiB), 0) is Pressure.SOFT
+    assert level(cgroup_snap(800 * MiB, 19 * MiB), 0) is Pressure.HARD
+    # a small container: at least 32 / 16 MiB (7.5 % of 400 MiB would be 30)
+    assert level(cgroup_snap(400 * MiB, 31 * MiB), 0) is Pressure.SOFT
+    assert level(cgroup_snap(400 * MiB, 15 * MiB), 0) is Pressure.HARD
+    # a large container_margin (what the user holds back) does not move the floors
+    big = BudgetConfig(container_margin=400 * MiB)
+    assert level(cgroup_snap(800 * MiB, 300 * MiB), 0, big) is Pressure.NORMAL
 
 
 def test_container_with_a_neighbour_loaded_to_the_ceiling_is_not_under_pressure() -> None:
