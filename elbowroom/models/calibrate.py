@@ -323,8 +323,8 @@ def _main(argv: list[str]) -> int:
             f"file-backed {format_size(mem.file_backed)}"
         )
     print(
-        f"predicted: anonymous {format_size(fp.anonymous)}, "
-        f"file-backed {format_size(fp.file_backed)}"
+        f"predicted: anonymous {format_size(fp.anonymous - fp.working)} at load"
+        f" (+ {format_size(fp.working)} in use), file-backed {format_size(fp.file_backed)}"
     )
     print("llama.cpp buffers (MiB):", json.dumps(m.buffers))
     return 0
