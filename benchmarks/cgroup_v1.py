@@ -63,6 +63,11 @@ class Cgroup:
         fields = dict(line.split() for line in self.read("memory.oom_control").splitlines())
         return int(fields.get("oom_kill", 0))
 
+    @property
+    def failcnt(self) -> int:
+        """How often usage hit the limit (the kernel reclaimed or OOM-killed each time)."""
+        return int(self.read("memory.failcnt"))
+
     def command(self, *argv: str) -> list[str]:
         """argv prefixed so that the process joins this cgroup before it execs."""
         return [sys.executable, "-c", JOIN, str(self.path), *argv]

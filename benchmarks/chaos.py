@@ -1,17 +1,23 @@
-"""Chaos: mixed load on every bundled model in a memory cgroup smaller than all of them, with
-a noisy neighbour in the same cgroup; once with the pressure guard, once without.
+"""Chaos: memory that grows after admission, in a real cgroup v1 memory cgroup; the same
+seeds with the pressure guard and with ``--no-memory-guard``, side by side in one run.
 
-    sudo .venv/bin/python benchmarks/chaos.py [--duration 180] [--limit 896MiB] [--quick]
+    sudo .venv/bin/python benchmarks/chaos.py [--seeds 1,2,3] [--duration 90] [--quick]
 
-Per mode: `elbowroom serve` runs inside its own cgroup v1 memory cgroup (a real limit: the
-kernel OOM-kills past it). Client threads (official openai client, no retries) send a
-random mix of chat to both LLMs, transcriptions, speech and embeddings; a neighbour process
-in the same cgroup allocates and frees hundreds of MiB. A sampler reads the cgroup's usage
-and OOM-kill counter. Everything is on loopback, every loop has a deadline, and the cgroups
-are removed at the end. Writes benchmarks/results/chaos.{json,md,png}.
+Per seed and mode, `elbowroom serve` runs inside its own memory cgroup (a real limit: the
+kernel OOM-kills past it) with two things that grow after the scheduler admitted its loads:
 
-The models' summed footprint is measured first (each loaded alone, no cgroup), so the
-report can show the limit is below it.
+- a neighbour process in the same cgroup that allocates (and touches) memory faster than
+  loads are admitted, up to a ceiling, holds it, frees it and rests: its own pattern per
+  seed (rate, ceiling, hold and rest drawn from the seed);
+- the LLM runners' RAM prompt caches: every chat request is a distinct long prompt, so
+  each LLM runner's cache fills toward its grant (``ELBOWROOM_KV_RAM_MAX``), which the
+  scheduler does not charge at load time.
+
+Client threads (official openai client, no retries, honouring Retry-After) send chat to
+both LLMs, transcriptions, speech and embeddings. A sampler reads the cgroup's usage,
+failcnt and OOM-kill counter. Both modes of a seed see the same neighbour pattern and the
+same request sequence. Everything is on loopback, every loop has a deadline, and the
+cgroups are removed at the end. Writes benchmarks/results/chaos.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import itertools
 import json
+import math
 import os
 import platform
 import random
@@ -31,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -45,14 +54,17 @@ from elbowroom.units import MiB, format_size, parse_size
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 MODELS = ["smollm2-135m", "gemma3-270m", "whisper-tiny.en", "piper-en-us-joe", "minilm-l6-v2"]
-# (endpoint, model, weight): the request mix
+# (endpoint, model, weight): the request mix; chat weighs most because the LLM prompt
+# caches are one of the two things that grow after admission
 MIX = [
-    ("chat", "smollm2-135m", 3),
+    ("chat", "smollm2-135m", 4),
     ("chat", "gemma3-270m", 2),
-    ("transcription", "whisper-tiny.en", 2),
-    ("speech", "piper-en-us-joe", 2),
-    ("embeddings", "minilm-l6-v2", 3),
+    ("transcription", "whisper-tiny.en", 1),
+    ("speech", "piper-en-us-joe", 1),
+    ("embeddings", "minilm-l6-v2", 2),
 ]
+CTX = 1024  # per slot; a prompt of PROMPT_WORDS common words is ~650 tokens
+PROMPT_WORDS = 600
 _LISTENING = re.compile(r"elbowroom listening on (http://\S+)")
 _LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*?(elbowroom\.\w+): (.*)$")
 
@@ -63,14 +75,21 @@ _LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*?(elbowroom\.
 class Server:
     """`elbowroom serve` in a subprocess (inside ``cgroup`` when given)."""
 
-    def __init__(self, home: Path, args: list[str], cgroup: Cgroup | None, tag: str) -> None:
+    def __init__(
+        self,
+        home: Path,
+        args: list[str],
+        cgroup: Cgroup | None,
+        tag: str,
+        env_extra: dict[str, str] | None = None,
+    ) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("ELBOWROOM_")}
         env.update(
             XDG_DATA_HOME=str(home / "data"),
             XDG_CACHE_HOME=str(home / "cache"),
             XDG_CONFIG_HOME=str(home / "config"),
             PYTHONUNBUFFERED="1",
-            ELBOWROOM_MONITOR_INTERVAL="0.5",
+            **(env_extra or {}),
         )
         argv = [sys.executable, "-m", "elbowroom", "serve", "--port", "0", *args]
         cmd = cgroup.command(*argv) if cgroup is not None else argv
@@ -130,12 +149,12 @@ def warm_up(home: Path) -> tuple[dict[str, int], bytes]:
 
     for line in prepare(Settings(data_dir=home / "data" / "elbowroom")):  # gemma3's chunks
         print("  " + line, flush=True)
-    server = Server(home, ["--ctx", "1024"], None, "warmup")
+    server = Server(home, ["--ctx", str(CTX)], None, "warmup")
     try:
         sizes: dict[str, int] = {}
         for model in MODELS:
             server.http.post(f"/api/models/{model}/load").raise_for_status()
-            rows = server.http.get("/api/ps").json()["models"]
+            rows = server.http.get("/api/elbowroom/ps").json()["models"]
             sizes[model] = next(int(r["bytes"]) for r in rows if r["id"] == model)
             server.http.post(f"/api/models/{model}/unload").raise_for_status()
             print(f"  {model}: {format_size(sizes[model])}", flush=True)
@@ -154,71 +173,44 @@ def warm_up(home: Path) -> tuple[dict[str, int], bytes]:
         server.stop()
 
 
-# --- load: clients, neighbour, sampler ------------------------------------------------------
+# --- the neighbour: a pattern per seed ----------------------------------------------------
+
+STEP_MIB = 16  # the neighbour allocates in steps of this size
 
 
-@dataclass(slots=True)
-class Result:
-    t0: float
-    t1: float
-    endpoint: str
-    model: str
-    status: int  # 200 ok; HTTP status; 0 for a connection error or timeout
-    error: str = ""  # error type from the body, or the exception name
+@dataclass(frozen=True, slots=True)
+class Burst:
+    """Rest at zero, then grow at ``rate`` MiB/s to ``ceiling`` MiB, hold, free it all."""
+
+    rest_s: float
+    rate: int
+    ceiling: int
+    hold_s: float
 
 
-def client(
-    url: str, wav: bytes, rng: random.Random, stop_at: float, start: float, out: list[Result]
-) -> None:
-    api = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    weights = [w for *_, w in MIX]
-    while time.monotonic() < stop_at:
-        endpoint, model, _ = rng.choices(MIX, weights)[0]
-        t0 = time.monotonic()
-        status, error, retry_after = 200, "", 0.0
-        try:
-            if endpoint == "chat":
-                api.chat.completions.create(
-                    model=model,
-                    max_tokens=rng.randint(16, 64),
-                    temperature=0.7,
-                    messages=[{"role": "user", "content": rng.choice(PROMPTS)}],
-                )
-            elif endpoint == "transcription":
-                api.audio.transcriptions.create(model=model, file=("a.wav", io.BytesIO(wav)))
-            elif endpoint == "speech":
-                api.audio.speech.create(
-                    model=model, voice="joe", input=rng.choice(PROMPTS), response_format="wav"
-                )
-            else:
-                api.embeddings.create(model=model, input=[rng.choice(PROMPTS) for _ in range(4)])
-        except openai.APIStatusError as exc:
-            status = exc.status_code
-            body = exc.body if isinstance(exc.body, dict) else {}
-            body = body["error"] if isinstance(body.get("error"), dict) else body
-            error = f"{body.get('type') or '?'}/{body.get('code') or '-'}"
-            with contextlib.suppress(ValueError):
-                retry_after = float(exc.response.headers.get("retry-after", 0))
-        except openai.APIError as exc:  # connection refused / reset, timeout
-            status, error = 0, type(exc).__name__
-        out.append(Result(t0 - start, time.monotonic() - start, endpoint, model, status, error))
-        if status == 507:
-            retry_after = 1.0  # "cannot fit now": no Retry-After, but hammering helps nobody
-        if retry_after:  # a polite client honours Retry-After (a pause, not synchronization)
-            time.sleep(min(retry_after, max(0.0, stop_at - time.monotonic())))
-
-
-PROMPTS = [
-    "Explain in two sentences why the sky is blue.",
-    "Write a haiku about memory.",
-    "List three uses for a paperclip.",
-    "What is the capital of France? Answer briefly.",
-    "Describe a cat to someone who has never seen one.",
-]
+def neighbour_pattern(
+    rng: random.Random, duration: float, limit_mib: int, ceiling: tuple[float, float], rate: int
+) -> list[Burst]:
+    """Bursts that fill ``duration``: ceilings drawn in ``ceiling`` (fractions of the limit),
+    rates between ``rate`` and twice it (MiB/s, faster than a load is admitted)."""
+    bursts: list[Burst] = []
+    t = 0.0
+    while t < duration:
+        b = Burst(
+            rest_s=round(rng.uniform(4, 10), 1),
+            rate=rng.randrange(rate, 2 * rate + 1, STEP_MIB),
+            ceiling=rng.randrange(
+                int(limit_mib * ceiling[0]), int(limit_mib * ceiling[1]) + 1, STEP_MIB
+            ),
+            hold_s=round(rng.uniform(3, 8), 1),
+        )
+        bursts.append(b)
+        t += b.rest_s + b.ceiling / b.rate + b.hold_s
+    return bursts
 
 
 class Neighbour:
-    """The noisy neighbour process; restarted when the kernel OOM-kills it (as a real
+    """The neighbour process; restarted when the kernel OOM-kills it (as a real
     neighbour's supervisor would), each death recorded."""
 
     def __init__(self, cg: Cgroup) -> None:
@@ -231,7 +223,8 @@ class Neighbour:
         cmd = self.cg.command(sys.executable, "-c", NEIGHBOUR)
         return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
-    def send(self, cmd: str, now: float) -> None:
+    def send(self, cmd: str, now: float) -> bool:
+        """False when the neighbour died on this command (it is started again)."""
         proc = self._proc
         assert proc.stdin is not None and proc.stdout is not None
         try:
@@ -242,11 +235,12 @@ class Neighbour:
             line = []
         if len(line) == 2:
             self.held = int(line[1]) // MiB
-            return
+            return True
         proc.wait()  # it died (OOM-killed): what it held is gone; start a new one
         self.deaths.append(now)
         self.held = 0
         self._proc = self._spawn()
+        return False
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -261,39 +255,127 @@ class Neighbour:
 
 def neighbour(
     cg: Cgroup,
-    rng: random.Random,
-    max_mib: int,
+    pattern: list[Burst],
     stop_at: float,
     start: float,
     timeline: list[tuple[float, int]],
     deaths: list[float],
 ) -> None:
-    """Walk toward random targets in 32 MiB steps every 0.5 s, hold each 2-6 s."""
+    """Play ``pattern``; a burst whose neighbour was OOM-killed goes on to its rest."""
+
+    def wait(seconds: float) -> None:  # the pattern's pace, not synchronization
+        time.sleep(max(0.0, min(seconds, stop_at - time.monotonic())))
+
     n = Neighbour(cg)
     try:
-        while time.monotonic() < stop_at:
-            target = rng.randrange(0, max_mib + 1, 32)
-            while n.held != target and time.monotonic() < stop_at:
-                step = f"+{min(32, target - n.held)}" if n.held < target else "-32"
-                n.send(step, time.monotonic() - start)
+        for b in pattern:
+            wait(b.rest_s)
+            step_s = STEP_MIB / b.rate
+            while n.held < b.ceiling and time.monotonic() < stop_at:
+                t = time.monotonic()
+                alive = n.send(f"+{STEP_MIB}", t - start)
                 timeline.append((time.monotonic() - start, n.held))
-                time.sleep(0.5)  # the neighbour's pace (64 MiB/s), part of the workload
-            hold_until = time.monotonic() + rng.uniform(2, 6)
-            while time.monotonic() < min(hold_until, stop_at):
-                time.sleep(0.25)
-        n.send("-", time.monotonic() - start)
-        timeline.append((time.monotonic() - start, n.held))
+                if not alive:
+                    break
+                wait(step_s - (time.monotonic() - t))
+            wait(b.hold_s)
+            n.send("-", time.monotonic() - start)
+            timeline.append((time.monotonic() - start, n.held))
+            if time.monotonic() >= stop_at:
+                break
     finally:
         n.close()
         deaths.extend(n.deaths)
 
 
+# --- the clients -------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Result:
+    t0: float
+    t1: float
+    endpoint: str
+    model: str
+    status: int  # 200 ok; HTTP status; 0 for a connection error or timeout
+    error: str = ""  # error type/code from the body, or the exception name
+    message: str = ""
+
+
+_WORDS_TEXT = (
+    "the of and to in is it you that he was for on are with as his they be at one have this "
+    "from or had by word but what some we can out other were all there when up use your how "
+    "said an each she which do their time if will way about many then them write would like "
+    "so these her long make thing see him two has look more day could go come did number "
+    "sound no most people my over know water than call first who may down side been now "
+    "find any new work part take get place made live where after back little only round man "
+    "year came show every good me give our under name very through just form sentence great "
+    "think say help low line differ turn cause much mean before move right boy old too same "
+    "tell does set three want air well also play small end put home read hand port large "
+    "spell add even land here must big high such follow act why ask men change went light"
+)
+WORDS = _WORDS_TEXT.split()
+
+
+def long_prompt(rng: random.Random) -> str:
+    """A distinct long prompt: no two share a prefix, so each becomes its own entry in the
+    runner's RAM prompt cache when its slot is reused."""
+    return "Summarize these notes in one line: " + " ".join(
+        rng.choice(WORDS) for _ in range(PROMPT_WORDS)
+    )
+
+
+def client(
+    url: str, wav: bytes, rng: random.Random, stop_at: float, start: float, out: list[Result]
+) -> None:
+    api = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    weights = [w for *_, w in MIX]
+    while time.monotonic() < stop_at:
+        endpoint, model, _ = rng.choices(MIX, weights)[0]
+        prompt = long_prompt(rng)  # drawn for every request: the sequence stays the same
+        t0 = time.monotonic()
+        status, error, message, retry_after = 200, "", "", 0.0
+        try:
+            if endpoint == "chat":
+                api.chat.completions.create(
+                    model=model,
+                    max_tokens=rng.randint(8, 32),
+                    temperature=0.7,
+                    messages=[{"role": "user", "content": prompt}],
+                )
+            elif endpoint == "transcription":
+                api.audio.transcriptions.create(model=model, file=("a.wav", io.BytesIO(wav)))
+            elif endpoint == "speech":
+                api.audio.speech.create(
+                    model=model, voice="joe", input=prompt[35:200], response_format="wav"
+                )
+            else:
+                api.embeddings.create(model=model, input=[prompt[i : i + 300] for i in (35, 400)])
+        except openai.APIStatusError as exc:
+            status = exc.status_code
+            body = exc.body if isinstance(exc.body, dict) else {}
+            body = body["error"] if isinstance(body.get("error"), dict) else body
+            error = f"{body.get('type') or '?'}/{body.get('code') or '-'}"
+            message = str(body.get("message") or "")[:200]
+            with contextlib.suppress(ValueError):
+                retry_after = float(exc.response.headers.get("retry-after", 0))
+        except openai.APIError as exc:  # connection refused / reset, timeout
+            status, error = 0, type(exc).__name__
+        out.append(
+            Result(t0 - start, time.monotonic() - start, endpoint, model, status, error, message)
+        )
+        if status == 507:
+            retry_after = 1.0  # "cannot fit now": no Retry-After, but hammering helps nobody
+        if retry_after:  # a polite client honours Retry-After (a pause, not synchronization)
+            time.sleep(min(retry_after, max(0.0, stop_at - time.monotonic())))
+
+
 def sampler(
-    cg: Cgroup, stop: threading.Event, start: float, out: list[tuple[float, int, int]]
+    cg: Cgroup, stop: threading.Event, start: float, out: list[tuple[float, int, int, int]]
 ) -> None:
     while not stop.is_set():
         with contextlib.suppress(OSError, ValueError):
-            out.append((time.monotonic() - start, cg.usage, cg.oom_kills))
+            out.append((time.monotonic() - start, cg.usage, cg.oom_kills, cg.failcnt))
         stop.wait(0.25)
 
 
@@ -302,76 +384,73 @@ def sampler(
 
 @dataclass(slots=True)
 class Run:
+    seed: int
     mode: str
     limit: int
     duration: float
+    pattern: list[Burst] = field(default_factory=list)
     results: list[Result] = field(default_factory=list)
-    usage: list[tuple[float, int, int]] = field(default_factory=list)
+    usage: list[tuple[float, int, int, int]] = field(default_factory=list)
     neighbour: list[tuple[float, int]] = field(default_factory=list)
     history: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     log_events: list[dict[str, Any]] = field(default_factory=list)
     oom_kills: int = 0
+    failcnt: int = 0
     neighbour_deaths: list[float] = field(default_factory=list)
     server_exit: int | None = None
     server_died: bool = False
 
 
-def run(
-    mode: str,
-    home: Path,
-    limit: int,
-    duration: float,
-    clients: int,
-    neighbour_mib: int,
-    wav: bytes,
-    seed: int,
-) -> Run:
-    cg = Cgroup(f"elbowroom-chaos-{os.getpid()}-{mode}", limit)
-    out = Run(mode, limit, duration)
+@dataclass(frozen=True, slots=True)
+class Setup:
+    limit: int
+    duration: float
+    clients: int
+    kv_ram_max: int
+    monitor_interval: float
+    ceiling: tuple[float, float]
+    rate: int
+
+
+def run(seed: int, mode: str, home: Path, setup: Setup, wav: bytes) -> Run:
+    cg = Cgroup(f"elbowroom-chaos-{os.getpid()}-{seed}-{mode}", setup.limit)
+    rng = random.Random(seed)
+    pattern = neighbour_pattern(
+        random.Random(rng.random()), setup.duration, setup.limit // MiB, setup.ceiling, setup.rate
+    )
+    out = Run(seed, mode, setup.limit, setup.duration, pattern)
     stop = threading.Event()
     threads: list[threading.Thread] = []
     server: Server | None = None
     try:
-        args = ["--ctx", "1024"] + (["--no-memory-guard"] if mode == "no-guard" else [])
-        server = Server(home, args, cg, mode)
+        args = ["--ctx", str(CTX)] + (["--no-memory-guard"] if mode == "no-guard" else [])
+        env = {
+            "ELBOWROOM_MONITOR_INTERVAL": str(setup.monitor_interval),
+            "ELBOWROOM_KV_RAM_MAX": str(setup.kv_ram_max),
+        }
+        server = Server(home, args, cg, f"{seed}-{mode}", env)
         wall0 = time.time()
         start = time.monotonic()
-        stop_at = start + duration
-        rng = random.Random(seed)
+        stop_at = start + setup.duration
         threads.append(threading.Thread(target=sampler, args=(cg, stop, start, out.usage)))
         threads.append(
             threading.Thread(
                 target=neighbour,
-                args=(
-                    cg,
-                    random.Random(rng.random()),
-                    neighbour_mib,
-                    stop_at,
-                    start,
-                    out.neighbour,
-                    out.neighbour_deaths,
-                ),
+                args=(cg, pattern, stop_at, start, out.neighbour, out.neighbour_deaths),
             )
         )
-        for _ in range(clients):
+        for _ in range(setup.clients):
+            crng = random.Random(rng.random())
             threads.append(
                 threading.Thread(
-                    target=client,
-                    args=(
-                        server.url,
-                        wav,
-                        random.Random(rng.random()),
-                        stop_at,
-                        start,
-                        out.results,
-                    ),
+                    target=client, args=(server.url, wav, crng, stop_at, start, out.results)
                 )
             )
         for t in threads:
             t.start()
         for t in threads[1:]:
-            t.join(timeout=duration + 300)
+            t.join(timeout=setup.duration + 45)  # a request times out after 30 s
         stop.set()
         threads[0].join(timeout=10)
         out.server_died = server.proc.poll() is not None
@@ -391,13 +470,14 @@ def run(
                     if h["wall"] >= wall0
                 ]
             with contextlib.suppress(httpx.HTTPError, ValueError):
-                guard = server.http.get("/api/guard", params={"events": 100000}).json()
+                guard = server.http.get("/api/guard", params={"events": 1000}).json()
                 out.events = [
                     {**e, "t": e["wall"] - wall0}
                     for e in guard.get("events", [])
                     if e["wall"] >= wall0
                 ]
         out.oom_kills = cg.oom_kills
+        out.failcnt = cg.failcnt
         out.server_exit = server.stop()
         out.log_events = parse_log(server.log(), wall0)
     finally:
@@ -409,7 +489,7 @@ def run(
 
 
 def parse_log(text: str, wall0: float) -> list[dict[str, Any]]:
-    """Loads, unloads and runner deaths from the server log, on the run's clock."""
+    """Loads, unloads and runner deaths (with their cause) from the server log."""
     events = []
     for line in text.splitlines():
         m = _LOG_TIME.match(line)
@@ -432,49 +512,71 @@ def parse_log(text: str, wall0: float) -> list[dict[str, Any]]:
 # --- report ----------------------------------------------------------------------------------
 
 
-def refusal(x: Result) -> bool:
-    """503 and 507 are the designed answers under pressure, except a 503 that reports a
-    runner that died under the request (an OOM kill, typically): that one is a failure."""
-    return x.status == 507 or (x.status == 503 and not x.error.endswith("/runner_crashed"))
+def outcome(x: Result) -> str:
+    """What one request came to. 503/507 are the designed answers under pressure; a 503
+    that reports a runner dead under the request (an OOM kill, typically) is a failure."""
+    if x.status == 200:
+        return "served"
+    if x.status == 507:
+        return "507"
+    if x.status == 503 and x.error.endswith("runner_crashed"):
+        return "failed"
+    if x.status == 503 and x.message.startswith("generation aborted"):
+        return "aborted"
+    if x.status == 503:
+        return "503"
+    return "failed"
+
+
+def level_seconds(history: list[dict[str, Any]]) -> dict[str, float]:
+    """Seconds the monitor's samples spent at each level (each sample lasts until the next)."""
+    out = {"soft": 0.0, "hard": 0.0}
+    for h, nxt in itertools.pairwise(history):
+        if h["level"] in out:
+            out[h["level"]] += nxt["t"] - h["t"]
+    return {k: round(v, 1) for k, v in out.items()}
 
 
 def summarize(r: Run) -> dict[str, Any]:
-    served = [x for x in r.results if x.status == 200]
-    refused = [x for x in r.results if refusal(x)]
-    failed = [x for x in r.results if x.status != 200 and not refusal(x)]
+    outcomes = [outcome(x) for x in r.results]
+    served = [x for x, o in zip(r.results, outcomes, strict=True) if o == "served"]
     lat = sorted(x.t1 - x.t0 for x in served)
-    by_type: dict[str, int] = {}
-    for x in refused:
-        key = f"{x.status} {x.error or '?'}"
-        by_type[key] = by_type.get(key, 0) + 1
-    fail_types: dict[str, int] = {}
-    for x in failed:
-        key = f"{x.status} {x.error or '?'}"
-        fail_types[key] = fail_types.get(key, 0) + 1
-    peak = max((u for _, u, _ in r.usage), default=0)
+    failed_types = _count(
+        f"{x.status} {x.error or '?'}"
+        for x, o in zip(r.results, outcomes, strict=True)
+        if o == "failed"
+    )
+    peak = max((u for _, u, _, _ in r.usage), default=0)
+    deaths = [e["message"] for e in r.log_events if e["kind"] == "runner_died"]
     return {
+        "seed": r.seed,
         "mode": r.mode,
         "duration_s": r.duration,
-        "requests": len(r.results),
-        "served": len(served),
-        "refused": len(refused),
-        "refused_by_type": by_type,
-        "failed": len(failed),
-        "failed_by_type": fail_types,
-        "p50_s": round(statistics.median(lat), 3) if lat else None,
-        "p95_s": round(lat[int(0.95 * (len(lat) - 1))], 3) if lat else None,
         "oom_kills": r.oom_kills,
-        "runner_deaths": sum(1 for e in r.log_events if e["kind"] == "runner_died"),
+        "failcnt": r.failcnt,
+        "runner_deaths": len(deaths),
+        "runner_death_causes": [d.split(" exited: ", 1)[1].split(";")[0] for d in deaths],
         "neighbour_deaths": len(r.neighbour_deaths),
         "server_died": r.server_died,
         "server_exit": r.server_exit,
+        "requests": len(r.results),
+        "served": outcomes.count("served"),
+        "refused_503": outcomes.count("503"),
+        "aborted": outcomes.count("aborted"),
+        "refused_507": outcomes.count("507"),
+        "failed": outcomes.count("failed"),
+        "failed_by_type": failed_types,
+        "p50_s": round(statistics.median(lat), 3) if lat else None,
+        "p95_s": round(lat[math.ceil(0.95 * len(lat)) - 1], 3) if lat else None,  # nearest rank
         "peak_usage": peak,
         "limit": r.limit,
         "peak_fraction": round(peak / r.limit, 3),
+        "level_seconds": level_seconds(r.history),
         "guard_actions": _count(e["kind"] for e in r.events),
         "loads": sum(1 for e in r.log_events if e["kind"] == "load"),
         "unloads": sum(1 for e in r.log_events if e["kind"] == "unload"),
         "served_by_endpoint": _count(x.endpoint for x in served),
+        "neighbour_peak_mib": max((n for _, n in r.neighbour), default=0),
     }
 
 
@@ -491,19 +593,18 @@ def plot(runs: list[Run], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 4.2 * len(runs)), sharex=True)
-    axes = axes if len(runs) > 1 else [axes]
-    for ax, r in zip(axes, runs, strict=True):
-        mib = 1 / MiB
+    seeds = sorted({r.seed for r in runs})
+    modes = list(dict.fromkeys(r.mode for r in runs))
+    fig, axes = plt.subplots(
+        len(seeds), len(modes), figsize=(7 * len(modes), 3.6 * len(seeds)), squeeze=False
+    )
+    mib = 1 / MiB
+    for r in runs:
+        ax = axes[seeds.index(r.seed)][modes.index(r.mode)]
         if r.usage:
-            ax.plot(
-                [t for t, _, _ in r.usage],
-                [u * mib for _, u, _ in r.usage],
-                color="black",
-                lw=1.2,
-                label="cgroup usage",
-            )
-        ax.axhline(r.limit * mib, color="red", lw=1.5, label="cgroup limit (OOM kill past it)")
+            ts = [u[0] for u in r.usage]
+            ax.plot(ts, [u[1] * mib for u in r.usage], color="black", lw=1.2, label="cgroup usage")
+        ax.axhline(r.limit * mib, color="red", lw=1.5, label="cgroup limit")
         if r.neighbour:
             ax.step(
                 [t for t, _ in r.neighbour],
@@ -511,31 +612,21 @@ def plot(runs: list[Run], path: Path) -> None:
                 where="post",
                 color="tab:gray",
                 lw=0.8,
-                alpha=0.7,
                 label="neighbour holds",
             )
         if r.history:
             ts = [h["t"] for h in r.history]
-            ax.plot(
-                ts, [h["own"] * mib for h in r.history], color="tab:blue", lw=1, label="our runners"
-            )
-            ax.plot(
-                ts,
-                [h["soft"] * mib for h in r.history],
-                color="tab:orange",
-                lw=0.8,
-                ls="--",
-                label="soft threshold",
-            )
-            ax.plot(
-                ts,
-                [h["hard"] * mib for h in r.history],
-                color="tab:red",
-                lw=0.8,
-                ls="--",
-                label="hard threshold",
-            )
-        ooms = [t for (t, _, k), (_, _, k0) in zip(r.usage[1:], r.usage, strict=False) if k > k0]
+            ax.plot(ts, [h["own"] * mib for h in r.history], color="tab:blue", lw=1, label="ours")
+            for key, color in (("soft", "tab:orange"), ("hard", "tab:red")):
+                ax.plot(
+                    ts,
+                    [h[key] * mib for h in r.history],
+                    color=color,
+                    lw=0.8,
+                    ls="--",
+                    label=f"{key} threshold",
+                )
+        ooms = [b[0] for a, b in itertools.pairwise(r.usage) if b[2] > a[2]]
         top = r.limit * mib * 1.05
         marks = [
             ([e["t"] for e in r.log_events if e["kind"] == "load"], "^", "tab:green", "load"),
@@ -545,90 +636,132 @@ def plot(runs: list[Run], path: Path) -> None:
         ]
         for i, (ts, marker, color, label) in enumerate(marks):
             if ts:
-                ax.scatter(
-                    ts,
-                    [top * (1 - 0.03 * i)] * len(ts),
-                    marker=marker,
-                    color=color,
-                    s=40,
-                    label=label,
-                    zorder=3,
-                )
+                y = [top * (1 - 0.03 * i)] * len(ts)
+                ax.scatter(ts, y, marker=marker, color=color, s=30, label=label, zorder=3)
         s = summarize(r)
         ax.set_title(
-            f"{r.mode}: {s['served']} served, {s['refused']} refused, "
-            f"{s['failed']} failed, {s['oom_kills']} OOM kills, "
-            f"peak {s['peak_fraction']:.0%} of limit"
+            f"seed {r.seed}, {r.mode}: {s['oom_kills']} OOM kills, {s['served']} served, "
+            f"peak {s['peak_fraction']:.0%}",
+            fontsize=9,
         )
         ax.set_ylabel("MiB")
-        ax.legend(loc="center left", fontsize=7, bbox_to_anchor=(1.0, 0.5))
         ax.grid(alpha=0.3)
-    axes[-1].set_xlabel("seconds")
+    axes[0][-1].legend(loc="center left", fontsize=7, bbox_to_anchor=(1.0, 0.5))
+    for ax in axes[-1]:
+        ax.set_xlabel("seconds")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
+
+
+COLUMNS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+    ("OOM kills", lambda s: str(s["oom_kills"])),
+    ("failcnt", lambda s: str(s["failcnt"])),
+    ("runners died", lambda s: str(s["runner_deaths"])),
+    ("neighbour died", lambda s: str(s["neighbour_deaths"])),
+    ("served", lambda s: str(s["served"])),
+    ("503", lambda s: str(s["refused_503"])),
+    ("aborted", lambda s: str(s["aborted"])),
+    ("507", lambda s: str(s["refused_507"])),
+    ("failed", lambda s: str(s["failed"])),
+    ("p50 / p95 s", lambda s: f"{s['p50_s']} / {s['p95_s']}"),
+    ("peak / limit", lambda s: f"{s['peak_fraction']:.0%}"),
+    ("soft / hard s", lambda s: f"{s['level_seconds']['soft']} / {s['level_seconds']['hard']}"),
+]
+TOTALS = [
+    "oom_kills",
+    "runner_deaths",
+    "neighbour_deaths",
+    "served",
+    "refused_503",
+    "aborted",
+    "refused_507",
+    "failed",
+]
 
 
 def markdown(summaries: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    rows = [
-        ("OOM kills (target 0)", "oom_kills"),
-        ("runner processes that died", "runner_deaths"),
-        ("neighbour processes that died", "neighbour_deaths"),
-        ("server process died", "server_died"),
-        ("requests", "requests"),
-        ("served (2xx)", "served"),
-        ("refused 503/507", "refused"),
-        ("failed any other way (target 0)", "failed"),
-        ("p50 latency of served (s)", "p50_s"),
-        ("p95 latency of served (s)", "p95_s"),
-        ("peak cgroup usage / limit", "peak_fraction"),
-        ("model loads / unloads", None),
-    ]
-    head = "| | " + " | ".join(s["mode"] for s in summaries) + " |"
-    lines = [head, "|---|" + "---|" * len(summaries)]
-    for label, key in rows:
-        if key is None:
-            vals = [f"{s['loads']} / {s['unloads']}" for s in summaries]
-        elif key == "peak_fraction":
-            vals = [
-                f"{format_size(s['peak_usage'])} / {format_size(s['limit'])} "
-                f"({s['peak_fraction']:.0%})"
-                for s in summaries
-            ]
-        else:
-            vals = [str(s[key]) for s in summaries]
-        lines.append(f"| {label} | " + " | ".join(vals) + " |")
-    detail = []
+    head = "| seed | mode | " + " | ".join(c for c, _ in COLUMNS) + " |"
+    lines = [head, "|---|---|" + "---|" * len(COLUMNS)]
     for s in summaries:
-        detail.append(
-            f"- **{s['mode']}** refused by type: {s['refused_by_type'] or '-'}; "
-            f"failed by type: {s['failed_by_type'] or '-'}; guard actions: "
-            f"{s['guard_actions'] or '-'}; served by endpoint: "
-            f"{s['served_by_endpoint']}"
+        lines.append(
+            f"| {s['seed']} | {s['mode']} | " + " | ".join(f(s) for _, f in COLUMNS) + " |"
         )
+    totals = ["| mode | " + " | ".join(TOTALS) + " |", "|---|" + "---|" * len(TOTALS)]
+    for mode in dict.fromkeys(s["mode"] for s in summaries):
+        rows = [s for s in summaries if s["mode"] == mode]
+        totals.append(
+            f"| {mode} | " + " | ".join(str(sum(s[k] for s in rows)) for k in TOTALS) + " |"
+        )
+    detail = [
+        f"- seed {s['seed']} **{s['mode']}**: runner deaths {s['runner_death_causes'] or '-'}; "
+        f"failed by type {s['failed_by_type'] or '-'}; guard actions {s['guard_actions'] or '-'}; "
+        f"loads/unloads {s['loads']}/{s['unloads']}; neighbour peak {s['neighbour_peak_mib']} MiB; "
+        f"served by endpoint {s['served_by_endpoint']}"
+        for s in summaries
+    ]
+    patterns = [
+        f"- seed {seed}: "
+        + "; ".join(
+            f"rest {b['rest_s']} s, +{b['rate']} MiB/s to {b['ceiling']} MiB, hold {b['hold_s']} s"
+            for b in pattern
+        )
+        for seed, pattern in meta["patterns"].items()
+    ]
     sizes = ", ".join(f"{m} {format_size(b)}" for m, b in meta["footprints"].items())
     return "\n".join(
         [
-            "# Chaos benchmark: the pressure guard under a noisy neighbour",
+            "# Chaos benchmark: memory that grows after admission",
             "",
-            f"Run {meta['date']} on {meta['machine']}; `benchmarks/chaos.py {meta['argv']}`.",
+            *(
+                [
+                    "**Smoke run** (`--quick`: one seed, 30 s per mode): it checks that the "
+                    "benchmark works, it is not a measurement.",
+                    "",
+                ]
+                if meta["quick"]
+                else []
+            ),
+            f"Run {meta['date']} on {meta['machine']}, load average before the run "
+            f"{meta['loadavg_before']}, after {meta['loadavg_after']}; "
+            f"`sudo .venv/bin/python benchmarks/chaos.py {meta['argv']}` "
+            f"({meta['wall_s']:.0f} s in all).",
             "",
-            f"Each mode ran `elbowroom serve` (monitor_interval 0.5 s) for "
-            f"{meta['duration']:.0f} s inside a cgroup v1 "
-            f"memory cgroup limited to **{format_size(meta['limit'])}**, below the "
-            f"**{format_size(meta['footprint_sum'])}** the five models hold together "
-            f"(measured alone: {sizes}). {meta['clients']} client threads (openai client, "
-            "no retries) sent a random mix of chat to both LLMs, transcriptions, speech and "
-            f"embeddings, while a neighbour process in the same cgroup walked between 0 and "
-            f"{meta['neighbour_mib']} MiB in 32 MiB steps every 0.5 s. Same seed for both modes.",
+            f"Per seed, `elbowroom serve --ctx {CTX}` ran {meta['duration']:.0f} s with the "
+            "guard and the same seed with `--no-memory-guard`, inside a cgroup v1 memory cgroup "
+            f"of **{format_size(meta['limit'])}** (monitor_interval {meta['monitor_interval']} s, "
+            f"kv_ram_max **{format_size(meta['kv_ram_max'])}** per LLM runner). The five models "
+            f"measured alone, before any prompt is cached: {sizes} (sum "
+            f"{format_size(meta['footprint_sum'])}). Two things grow after the scheduler "
+            f"admitted its loads: a neighbour process in the cgroup (its pattern per seed "
+            f"below: grows {meta['rate']}–{2 * meta['rate']} MiB/s to "
+            f"{meta['ceiling'][0]:.0%}–{meta['ceiling'][1]:.0%} of the limit, holds, frees, "
+            f"rests), and each LLM runner's RAM prompt cache (every chat request is a distinct "
+            f"~{PROMPT_WORDS}-word prompt; the cache fills toward its grant). "
+            f"{meta['clients']} client threads (openai client, no retries, honouring "
+            "Retry-After) sent chat to both LLMs, transcriptions, speech and embeddings.",
             "",
             *lines,
             "",
+            "Totals over the seeds:",
+            "",
+            *totals,
+            "",
+            "Columns: *OOM kills* the cgroup's `memory.oom_control` oom_kill counter; *failcnt* "
+            "`memory.failcnt` (times usage hit the limit); *runners died* runner processes "
+            "the server saw exit (causes below); *503* refusals under pressure (the guard's "
+            "hard level, paused loads, full queues); *aborted* generations the guard ended "
+            "(503 `memory_pressure`); *507* loads that could not fit; *failed* anything else "
+            "(a runner that died under the request, a dropped connection, a timeout); *soft / "
+            "hard s* seconds the monitor's samples spent at that level (without the guard the "
+            "monitor still samples; nothing reacts).",
+            "",
             *detail,
             "",
-            "![timeline](chaos.png)",
+            "Neighbour patterns:",
             "",
-            "Refusals are the designed answer under pressure (503 + Retry-After, or 507 with the "
-            "numbers); a failure is anything else (a 500, a dropped connection, a timeout).",
+            *patterns,
+            "",
+            "![timeline](chaos.png)",
             "",
         ]
     )
@@ -650,13 +783,20 @@ def _without_out(argv: list[str]) -> list[str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--duration", type=float, default=180.0, help="seconds per mode")
-    p.add_argument("--limit", default="896MiB", help="the cgroup's memory limit")
+    p.add_argument("--seeds", default="1,2,3", help="comma-separated; each runs in both modes")
+    p.add_argument("--duration", type=float, default=90.0, help="seconds per seed and mode")
+    p.add_argument("--limit", default="1280MiB", help="the cgroup's memory limit")
+    p.add_argument("--kv-ram-max", default="256MiB", help="RAM prompt cache grant per LLM")
     p.add_argument("--clients", type=int, default=4)
-    p.add_argument("--neighbour", type=int, default=640, help="MiB the neighbour holds at most")
-    p.add_argument("--seed", type=int, default=7)
+    p.add_argument(
+        "--ceiling",
+        default="0.6,0.72",
+        help="the neighbour's ceilings are drawn in this range (fractions of the limit)",
+    )
+    p.add_argument("--rate", type=int, default=64, help="neighbour growth, MiB/s (up to 2x)")
+    p.add_argument("--monitor-interval", type=float, default=0.5)
     p.add_argument("--modes", default="guard,no-guard")
-    p.add_argument("--quick", action="store_true", help="30 s per mode (a smoke run)")
+    p.add_argument("--quick", action="store_true", help="one seed, 30 s per mode (a smoke run)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     if not v1_available():
@@ -665,31 +805,47 @@ def main() -> int:
             file=sys.stderr,
         )
         return 2
-    duration = 30.0 if args.quick else args.duration
-    limit = parse_size(args.limit)
+    seeds = [int(s) for s in args.seeds.split(",")][: 1 if args.quick else None]
+    lo, hi = (float(x) for x in args.ceiling.split(","))
+    setup = Setup(
+        limit=parse_size(args.limit),
+        duration=30.0 if args.quick else args.duration,
+        clients=args.clients,
+        kv_ram_max=parse_size(args.kv_ram_max),
+        monitor_interval=args.monitor_interval,
+        ceiling=(lo, hi),
+        rate=args.rate,
+    )
+    wall = time.monotonic()
+    loadavg_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     with tempfile.TemporaryDirectory(prefix="elbowroom-chaos-") as tmp:
         home = Path(tmp)
         print("warm-up: measuring each model alone", flush=True)
         sizes, wav = warm_up(home)
         runs = []
-        for mode in args.modes.split(","):
-            print(f"{mode}: {duration:.0f} s under a {format_size(limit)} cgroup", flush=True)
-            runs.append(
-                run(mode, home, limit, duration, args.clients, args.neighbour, wav, args.seed)
-            )
-            print("  " + json.dumps(summarize(runs[-1])), flush=True)
+        for seed in seeds:
+            for mode in args.modes.split(","):
+                print(
+                    f"seed {seed}, {mode}: {setup.duration:.0f} s under a "
+                    f"{format_size(setup.limit)} cgroup",
+                    flush=True,
+                )
+                runs.append(run(seed, mode, home, setup, wav))
+                print("  " + json.dumps(summarize(runs[-1])), flush=True)
     summaries = [summarize(r) for r in runs]
     meta = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
         f"{format_size(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'))} RAM",
+        "loadavg_before": loadavg_before,
+        "loadavg_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
         "argv": " ".join(_without_out(sys.argv[1:])),
-        "duration": duration,
-        "limit": limit,
+        "wall_s": time.monotonic() - wall,
+        "quick": args.quick,
         "footprints": sizes,
         "footprint_sum": sum(sizes.values()),
-        "clients": args.clients,
-        "neighbour_mib": args.neighbour,
+        "patterns": {r.seed: [asdict(b) for b in r.pattern] for r in runs},
+        **{k: v for k, v in asdict(setup).items()},
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "chaos.json").write_text(

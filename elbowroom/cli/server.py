@@ -30,6 +30,9 @@ def register(sub: Any) -> None:
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default 8000; 0 picks one)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument(
+        "--admin-key", default=None, help="a separate key for /api, /metrics (docs/security.md)"
+    )
     p.add_argument("--preload", action="append", metavar="ID", help="load at start (repeat)")
     p.add_argument("--pin", action="append", metavar="ID", help="load at start, never evict")
     p.add_argument("--ctx", type=int, default=None, help="LLM context per slot (default: auto)")
@@ -60,7 +63,11 @@ def register(sub: Any) -> None:
         q = sub.add_parser(name, help=helptext)
         q.add_argument("--json", action="store_true", help="print JSON for machines")
         q.add_argument("--url", default=os.environ.get("ELBOWROOM_URL", DEFAULT_URL))
-        q.add_argument("--api-key", default=os.environ.get("ELBOWROOM_API_KEY"))
+        # The client commands use admin routes: the admin key when there is one.
+        q.add_argument(
+            "--api-key",
+            default=os.environ.get("ELBOWROOM_ADMIN_KEY") or os.environ.get("ELBOWROOM_API_KEY"),
+        )
         if name != "ps":
             q.add_argument("model", help="model id (see elbowroom ls)")
         else:
@@ -108,6 +115,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         api_key=args.api_key,
+        admin_key=args.admin_key,
         preload=args.preload,
         pin=args.pin,
         ctx=args.ctx,
@@ -122,7 +130,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     from elbowroom.server.auth import check_exposure
 
-    refusal = check_exposure(settings.host, settings.api_key)
+    any_key = bool(settings.api_key or settings.api_keys or settings.admin_key)
+    refusal = check_exposure(settings.host, any_key)
     if refusal is not None:
         print(f"elbowroom: {refusal}", file=sys.stderr)
         return 2
@@ -218,8 +227,11 @@ def _announce(settings: Settings, sock: socket.socket, services: Any, as_json: b
         return
     print(f"elbowroom listening on {url} (OpenAI base URL {url}/v1)", flush=True)
     print(f"memory: {_budget_line(report)}", flush=True)
-    if settings.api_key:
-        print("auth: /v1 and /api need 'Authorization: Bearer <key>'", flush=True)
+    if settings.api_key or settings.api_keys or settings.admin_key:
+        admin = " (/api, /metrics: the admin key)" if settings.admin_key else ""
+        print(
+            f"auth: every route but /health needs 'Authorization: Bearer <key>'{admin}", flush=True
+        )
 
 
 def _budget_line(report: dict[str, Any]) -> str:
@@ -264,12 +276,15 @@ def cmd_ps(args: argparse.Namespace) -> int:
             format_size(m.get("bytes")),
             "yes" if m.get("pinned") else "no",
             m.get("busy", 0),
+            m.get("processor") or "-",
             m.get("expires_at") or "never",
         ]
         for m in data.get("models", [])
     ]
     if rows:
-        headers = ["MODEL", "KIND", "STATE", "PID", "MEMORY", "PINNED", "BUSY", "UNLOADS AT"]
+        headers = [
+            "MODEL", "KIND", "STATE", "PID", "MEMORY", "PINNED", "BUSY", "PROCESSOR", "UNLOADS AT"
+        ]  # fmt: skip
         print(table(headers, rows))
     else:
         print("no models loaded")

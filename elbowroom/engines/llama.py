@@ -54,6 +54,19 @@ FALLBACK_ROLES = {"system": "System", "user": "User", "assistant": "Assistant", 
 FALLBACK_STOPS = ["\nUser:", "\nSystem:"]
 
 
+def select_gpus(devices: list[int] | None) -> None:
+    """Show the engine only the GPUs its placement uses (scheduler/placement.py); [] hides
+    them all. llama.cpp makes a CUDA context (~0.6 GiB) on every GPU it can see, layers or
+    not, so hiding is how a CPU-only model keeps off the GPUs. CUDA numbers devices
+    fastest-first unless told otherwise; our pools use NVML's PCI bus order. Must run
+    before the first CUDA call of this process (the runner hosts one model).
+    """
+    if devices is None:
+        return
+    os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(int(d)) for d in devices)
+
+
 class LlamaEngine:
     def __init__(self) -> None:
         self._server: Any = None
@@ -76,6 +89,7 @@ class LlamaEngine:
     # ---- lifecycle ---------------------------------------------------------------------
 
     def load(self, spec: ModelSpec, options: dict[str, Any]) -> dict[str, Any]:
+        select_gpus(options.get("gpu_devices"))
         import xllamacpp
 
         kv_type = str(options.get("kv_type") or "f16")
@@ -126,7 +140,9 @@ class LlamaEngine:
         if options.get("main_gpu") is not None:
             params.main_gpu = int(options["main_gpu"])
         if options.get("tensor_split"):
-            params.tensor_split = [float(x) for x in options["tensor_split"]]
+            split = [float(x) for x in options["tensor_split"]]
+            # The binding takes exactly llama.cpp's 128 entries (one per possible device).
+            params.tensor_split = split + [0.0] * (128 - len(split))
         params.fit_params = False  # placement is elbowroom's budget, not the engine's guess
         # Sliding-window models snapshot their window per slot; llama.cpp's default of 32
         # snapshots would grow gemma3-270m by ~0.5 GiB a slot, unbudgeted (models/estimate.py).
@@ -365,7 +381,10 @@ class LlamaEngine:
             body["stop"] = [*body.get("stop", []), *FALLBACK_STOPS]
             if "response_format" in body:
                 body["json_schema"] = _schema_of(body.pop("response_format"))
-            body.pop("logprobs", None)
+            # The completion endpoint takes chat's logprobs as n_probs (alternatives).
+            top = body.pop("top_logprobs", None)
+            if body.pop("logprobs", None):
+                body["n_probs"] = max(1, int(top or 1))
         return body, emulated
 
 

@@ -9,6 +9,15 @@ Recency survives restarts as the file's mtime, refreshed on every hit.
 Nothing here may crash the runner: a file that is corrupt, truncated, of another
 version or another key is a miss and is removed; a failed write (disk full, read-only
 directory) is skipped with a warning.
+
+The files hold every cached conversation's tokens, so (docs/security.md): the directory
+is ``0700`` (tightened if it is ours and looser; another user's directory turns the tier
+off), files are ``0600``, temporary files are created with ``O_CREAT | O_EXCL |
+O_NOFOLLOW`` (a planted symlink or file is never written through), every open is
+``O_NOFOLLOW | O_NONBLOCK`` and must find a regular file (a planted FIFO cannot hang the
+runner), and only regular files of ours that start with the format's magic are ever
+deleted (``_ours``): eviction and clean-up leave anything else alone. A payload length
+above the tier's cap or the file's size is corrupt before anything is allocated for it.
 """
 
 from __future__ import annotations
@@ -17,13 +26,16 @@ import contextlib
 import errno
 import logging
 import os
+import stat
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from io import BufferedReader
 from pathlib import Path
 
 from elbowroom.kvcache.fileformat import (
     FIXED_SIZE,
+    MAGIC,
     Blob,
     FormatError,
     Header,
@@ -37,6 +49,10 @@ log = logging.getLogger(__name__)
 
 SUFFIX = ".kv"
 TMP_SUFFIX = ".tmp"
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,13 +88,29 @@ class DiskTier:
         self._pid_alive = pid_alive or _pid_alive
         self._entries: OrderedDict[str, DiskEntry] = OrderedDict()  # oldest first
         self._bytes = 0
-        self.enabled = cap > 0
-        if self.enabled:
-            try:
-                directory.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                log.warning("KV disk tier off: cannot create %s: %s", directory, exc)
-                self.enabled = False
+        self.enabled = cap > 0 and self._secure_directory()
+
+    def _secure_directory(self) -> bool:
+        """Create the directory 0700, or check that an existing one is ours and private."""
+        directory = self.directory
+        try:
+            directory.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+            st = os.stat(directory)
+            if st.st_uid != os.geteuid():
+                log.warning(
+                    "KV disk tier off: %s belongs to uid %d, not to us: its files could be "
+                    "read or planted by another user",
+                    directory,
+                    st.st_uid,
+                )
+                return False
+            if stat.S_IMODE(st.st_mode) & 0o077:
+                os.chmod(directory, DIR_MODE)
+                log.info("KV disk tier: %s was readable by others; now 0700", directory)
+        except OSError as exc:
+            log.warning("KV disk tier off: cannot create %s: %s", directory, exc)
+            return False
+        return True
 
     @property
     def nbytes(self) -> int:
@@ -119,8 +151,9 @@ class DiskTier:
                 continue
             eid = name[len(self._prefix) + 1 : -len(SUFFIX)]
             try:
-                st = path.stat()
-                header = self._read_header(path)
+                with _open_regular(path) as f:
+                    st = os.fstat(f.fileno())
+                    header = self._read_header(f)
             except (OSError, FormatError) as exc:
                 self._discard(path, str(exc))
                 continue
@@ -139,12 +172,13 @@ class DiskTier:
             self._bytes += entry.nbytes
         return list(self._entries.values())
 
-    def _read_header(self, path: Path) -> Header:
-        with path.open("rb") as f:
-            fixed = f.read(FIXED_SIZE)
-            key_len, n_tokens = fixed_lengths(fixed)
-            rest = f.read(key_len + 4 * n_tokens)
-        return decode_header(fixed + rest)
+    def _read_header(self, f: BufferedReader) -> Header:
+        fixed = f.read(FIXED_SIZE)
+        key_len, n_tokens = fixed_lengths(fixed)
+        header = decode_header(fixed + f.read(key_len + 4 * n_tokens))
+        if header.payload_len > self.cap:
+            raise FormatError(f"payload of {header.payload_len} bytes is over the cap")
+        return header
 
     def _remove_stale_tmp(self, path: Path) -> None:
         # name: <prefix>-<eid>.kv.<pid>.tmp ; a live writer's temp file is left alone
@@ -154,7 +188,7 @@ class DiskTier:
         except (ValueError, IndexError):
             pid = -1
         if pid != self._pid and not self._pid_alive(pid):
-            self._discard(path, "stale temp file")
+            self._discard(path, "stale temp file", empty_ok=True)
 
     # ---- read / write --------------------------------------------------------------------
 
@@ -165,12 +199,12 @@ class DiskTier:
             return None
         path = self._path(eid)
         try:
-            with path.open("rb") as f:
-                fixed = f.read(FIXED_SIZE)
-                key_len, n_tokens = fixed_lengths(fixed)
-                header = decode_header(fixed + f.read(key_len + 4 * n_tokens))
+            with _open_regular(path) as f:
+                header = self._read_header(f)
                 if header.key != self._key or header.tokens != entry.tokens:
                     raise FormatError("header does not match the index")
+                if os.fstat(f.fileno()).st_size != header.file_size:
+                    raise FormatError("size does not match the header (truncated?)")
                 payload = bytearray(header.payload_len)
                 got = f.readinto(payload)
                 check_payload(header, payload[:got] if got != len(payload) else payload)
@@ -197,15 +231,20 @@ class DiskTier:
         evicted = self._make_room(size)
         path = self._path(eid)
         tmp = path.with_name(f"{path.name}.{self._pid}{TMP_SUFFIX}")
+        created = False
         try:
-            with tmp.open("wb") as f:
+            fd = self._create(tmp)
+            created = True
+            with os.fdopen(fd, "wb") as f:
                 f.write(header)
                 f.write(state)
             # No fsync: a torn file after a power cut fails its checksum and is a miss.
+            # rename() replaces whatever is at ``path`` (even a symlink) without following it.
             os.replace(tmp, path)
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
+            if created:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
             why = "disk full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "write failed"
             log.warning("KV disk tier: %s, entry not saved (%s): %s", why, path, exc)
             return WriteResult(False, evicted)
@@ -213,13 +252,26 @@ class DiskTier:
         self._bytes += size
         return WriteResult(True, evicted)
 
+    def _create(self, tmp: Path) -> int:
+        """A new private temp file; a leftover of ours (same pid: a crash earlier) goes
+        first, anything else at that name is not touched and the write fails."""
+        try:
+            return os.open(tmp, _CREATE_FLAGS, FILE_MODE)
+        except FileExistsError:
+            if not _ours(tmp, empty_ok=True):
+                raise
+            tmp.unlink()
+            return os.open(tmp, _CREATE_FLAGS, FILE_MODE)
+
     def remove(self, eid: str) -> bool:
         entry = self._entries.pop(eid, None)
         if entry is None:
             return False
         self._bytes -= entry.nbytes
-        with contextlib.suppress(OSError):
-            self._path(eid).unlink()
+        path = self._path(eid)
+        if _ours(path):
+            with contextlib.suppress(OSError):
+                path.unlink()
         return True
 
     def _make_room(self, size: int) -> tuple[str, ...]:
@@ -232,8 +284,9 @@ class DiskTier:
             own_mtime = self._mtime(own_oldest.eid) if own_oldest else float("inf")
             if foreign and foreign[0][0] < own_mtime:
                 _, fsize, fpath = foreign.pop(0)
-                with contextlib.suppress(OSError):
-                    fpath.unlink()
+                if _ours(fpath):
+                    with contextlib.suppress(OSError):
+                        fpath.unlink()
                 total -= fsize
             elif own_oldest is not None:
                 total -= own_oldest.nbytes
@@ -244,14 +297,20 @@ class DiskTier:
         return tuple(evicted)
 
     def _foreign_files(self) -> list[tuple[float, int, Path]]:
-        """Other runners' entry files, oldest first: (mtime, size, path)."""
+        """Other runners' entry files, oldest first: (mtime, size, path). Only regular
+        files with our magic count: anything else in the directory is not ours to evict."""
         out: list[tuple[float, int, Path]] = []
         try:
             with os.scandir(self.directory) as it:
                 for de in it:
-                    if de.name.endswith(SUFFIX) and not de.name.startswith(self._prefix + "-"):
+                    if (
+                        de.name.endswith(SUFFIX)
+                        and not de.name.startswith(self._prefix + "-")
+                        and de.is_file(follow_symlinks=False)
+                        and _ours(Path(de.path))
+                    ):
                         with contextlib.suppress(OSError):
-                            st = de.stat()
+                            st = de.stat(follow_symlinks=False)
                             out.append((st.st_mtime, st.st_size, Path(de.path)))
         except OSError:
             return []
@@ -264,10 +323,46 @@ class DiskTier:
         except OSError:
             return float("-inf")  # gone already: evict it first
 
-    def _discard(self, path: Path, why: str) -> None:
+    def _discard(self, path: Path, why: str, *, empty_ok: bool = False) -> None:
+        if not _ours(path, empty_ok=empty_ok):
+            log.warning("KV disk tier: ignoring %s (%s): not an entry file of ours", path.name, why)
+            return
         log.warning("KV disk tier: removing %s: %s", path.name, why)
         with contextlib.suppress(OSError):
             path.unlink()
+
+
+def _open_regular(path: Path) -> BufferedReader:
+    """Open for reading without following a symlink or blocking on a FIFO; a regular file
+    only (anything else raises FormatError, which callers treat as a miss)."""
+    fd = os.open(path, _READ_FLAGS)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise FormatError("not a regular file")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _ours(path: Path, *, empty_ok: bool = False) -> bool:
+    """A regular file owned by us that starts with the format's magic (or, with
+    ``empty_ok``, is empty: a temp file whose writer died before writing): the only files
+    this tier ever deletes."""
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            return False
+        head = os.read(fd, len(MAGIC))
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return head == MAGIC or (empty_ok and st.st_size == 0)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -34,6 +34,7 @@ FIXED_SIZE = _FIXED.size  # 36
 # A sanity bound so that a corrupt length field cannot make us allocate gigabytes.
 MAX_KEY = 64 * 1024
 MAX_TOKENS = 16 * 1024 * 1024
+MAX_PAYLOAD = 64 * 1024**3  # no sequence state is this large; a reader bounds it further
 
 Blob = bytes | bytearray
 
@@ -94,6 +95,8 @@ def decode_header(head: bytes) -> Header:
     if len(head) < size:
         raise FormatError("truncated header")
     _, _, _, _, _, payload_len, payload_crc, crc = _FIXED.unpack(head[:FIXED_SIZE])
+    if payload_len > MAX_PAYLOAD:
+        raise FormatError("implausible payload length")
     key_bytes = head[FIXED_SIZE : FIXED_SIZE + key_len]
     tok = head[FIXED_SIZE + key_len : size]
     if zlib.crc32(tok, zlib.crc32(key_bytes, zlib.crc32(head[:32]))) != crc:

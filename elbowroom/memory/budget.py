@@ -133,7 +133,7 @@ def container_margin(total: int) -> int:
     return min(wanted, total // 2)
 
 
-Rule = Literal["host", "container", "override"]
+Rule = Literal["host", "container", "override", "gpu"]
 
 
 def rule_of(snap: Snapshot) -> tuple[Rule, str]:

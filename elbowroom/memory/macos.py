@@ -18,6 +18,7 @@ __all__ = [
     "parse_vm_stat",
     "pressure_level_name",
     "run_command",
+    "wired_limit",
 ]
 
 
@@ -86,6 +87,13 @@ def metal_working_set(total: int, sysctl: dict[str, str]) -> int | None:
     if wired.isdigit() and int(wired) > 0:
         return min(total, int(wired) * MiB)
     return total * 2 // 3 if total <= 36 * GiB else total * 3 // 4
+
+
+def wired_limit(sysctl: dict[str, str]) -> int | None:
+    """``iogpu.wired_limit_mb`` in bytes when a user set it; None for 0 (macOS's default)
+    or where the key does not exist (Intel Macs, macOS before 14)."""
+    wired = sysctl.get("iogpu.wired_limit_mb", "0")
+    return int(wired) * MiB if wired.isdigit() and int(wired) > 0 else None
 
 
 def pressure_level_name(sysctl: dict[str, str]) -> str | None:

@@ -38,6 +38,7 @@ from elbowroom.memory.macos import (
     parse_vm_stat,
     pressure_level_name,
     run_command,
+    wired_limit,
 )
 from elbowroom.memory.nvml import gpu_memory
 from elbowroom.memory.process import measure_tree
@@ -226,6 +227,7 @@ def macos_probe(
         swap_used=swap_used,
         os_pressure=pressure_level_name(sysctl),
         gpu_working_set=metal_working_set(total, sysctl),
+        gpu_wired_limit=wired_limit(sysctl) if sysctl.get("hw.optional.arm64") == "1" else None,
     )
 
 

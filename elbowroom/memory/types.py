@@ -52,6 +52,8 @@ class Snapshot:
     os_pressure: str | None = None  # macOS memory-pressure level: normal | warn | critical
     # Metal's recommended working set (unified memory) where known: a budget candidate.
     gpu_working_set: int | None = None
+    # iogpu.wired_limit_mb where a user set it (0 = macOS default): caps what the GPU wires.
+    gpu_wired_limit: int | None = None
     taken_at: float = 0.0  # time.monotonic() of the reading
 
 

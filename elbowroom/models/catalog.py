@@ -257,6 +257,10 @@ def _try(
     except OSError as exc:
         problems.append(Problem(path, f"cannot read: {exc.strerror or exc}"))
         return
+    except Exception as exc:  # a file we did not foresee must not stop discovery (serve, ls)
+        problems.append(Problem(path, f"cannot be read as a model: {type(exc).__name__}: {exc}"))
+        log.warning("skipping %s: unexpected %s", path, type(exc).__name__, exc_info=exc)
+        return
     if model is not None:
         found.append(model)
 

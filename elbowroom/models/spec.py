@@ -46,17 +46,29 @@ class GGUFInfo:
     # e.g. recurrent layers); None when every layer has n_kv_heads.
     kv_heads_per_layer: tuple[int, ...] | None = None
     n_vocab: int | None = None
+    # Bytes of the vocabulary's longest token as the file spells it (>= the characters of
+    # text any one token covers): a cheap lower bound on a prompt's tokens (server.limits).
+    max_token_bytes: int | None = None
+    tokenizer_model: str | None = None  # tokenizer.ggml.model: "llama" (SPM), "gpt2" (BPE)...
+    # Tensor bytes by where llama.cpp puts them (GPU offload placement): each repeating
+    # block ``blk.N.*``; the input layer (token embeddings: always on the CPU); the output
+    # layer (output norm + output matrix, or a copy of the token embeddings when the output
+    # is tied to them). None when the file lists no tensors.
+    layer_bytes: tuple[int, ...] | None = None
+    input_bytes: int = 0
+    output_bytes: int = 0
+    n_ff: int | None = None  # feed-forward width (the compute buffer grows with it)
     # What the footprint estimate's compute-buffer, repacking and file terms need.
-    n_ff: int | None = None  # feed-forward width (the widest layer); None: not in the file
     n_expert: int = 0  # mixture of experts: experts per layer (0: a dense model)
     n_expert_used: int = 0  # ... and how many each token uses
     n_ff_expert: int | None = None  # one expert's feed-forward width
     n_ff_shared: int | None = None  # the shared expert's, where there is one
     swa_pattern: int | None = None  # {arch}.attention.sliding_window_pattern, when present
     tensor_bytes: int | None = None  # bytes of tensor data: what llama.cpp maps
-    # Bytes of the weights that feed matrix multiplications (not token_embd, norms, biases),
-    # by ggml type name, counting only tensors whose row count is a multiple of 8: the ones
-    # llama.cpp's CPU backend may copy into a repacked (anonymous) buffer.
+    # Bytes of the weights that feed matrix multiplications (not token embeddings that are
+    # only looked up, norms, biases), by ggml type name, counting only tensors whose row
+    # count is a multiple of 8: the ones llama.cpp's CPU backend may copy into a repacked
+    # (anonymous) buffer. A tied token_embd counts: it is the output projection's weight.
     matmul_bytes: tuple[tuple[str, int], ...] = ()
 
 

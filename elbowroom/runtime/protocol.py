@@ -12,6 +12,7 @@ child -> parent: {"event": "ready", "data": {...load facts...}}
                  {"id": int, "event": "delta", "data": dict}
                  {"id": int, "event": "done", "data": dict}
                  {"id": int, "event": "error", "error": ElbowroomError.to_wire()}
+                 {"batch": [message, ...]}  (messages that piled up, in order)
 """
 
 from __future__ import annotations

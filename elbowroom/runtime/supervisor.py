@@ -312,12 +312,12 @@ class Supervisor:
                 ready = wait([conn, sentinel])
                 if conn not in ready:
                     break  # exited; messages it sent before dying are drained below
-                self._post(self._dispatch, conn.recv())
+                self._post(self._dispatch_all, conn.recv())
         except (EOFError, OSError):
             pass
         try:
             while conn.poll():
-                self._post(self._dispatch, conn.recv())
+                self._post(self._dispatch_all, conn.recv())
         except (EOFError, OSError):
             pass
         proc.join()  # reap: no zombie; the pipe is closed, so the process is exiting
@@ -328,6 +328,14 @@ class Supervisor:
         # A closed loop raises RuntimeError: nobody is listening any more.
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(fn, *args)
+
+    def _dispatch_all(self, msg: dict[str, Any]) -> None:
+        """One message, or a batch of them (the worker batches what piles up)."""
+        if "batch" in msg:
+            for one in msg["batch"]:
+                self._dispatch(one)
+        else:
+            self._dispatch(msg)
 
     def _dispatch(self, msg: dict[str, Any]) -> None:
         event = msg.get("event")

@@ -33,6 +33,7 @@ log = logging.getLogger("elbowroom.runner")
 
 ORPHAN_GRACE = 10.0  # seconds a runner whose parent vanished waits for its request to end
 _STOP = object()
+MAX_BATCH = 256  # messages in one pipe write at most
 
 
 def worker_main(conn: Connection, spec: ModelSpec, options: dict[str, Any]) -> None:
@@ -65,7 +66,10 @@ class _Worker:
         self.work: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.cancel_flags: dict[int, threading.Event] = {}
         self.flags_lock = threading.Lock()
-        self.send_lock = threading.Lock()
+        # Everything to the parent goes through one queue and one sender thread: messages
+        # that pile up while the pipe is busy (several slots streaming at once) leave as one
+        # batch, one pickle and one wake-up of the parent, instead of one per token.
+        self.outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.level = 0
         self.loaded = threading.Event()
 
@@ -73,6 +77,15 @@ class _Worker:
         return self.level
 
     def serve(self, spec: ModelSpec, options: dict[str, Any]) -> int:
+        sender = threading.Thread(target=self._send_loop, name="runner-sender", daemon=True)
+        sender.start()
+        try:
+            return self._serve(spec, options)
+        finally:
+            self.outbox.put(_STOP)  # after everything queued before it
+            sender.join(timeout=10.0)
+
+    def _serve(self, spec: ModelSpec, options: dict[str, Any]) -> int:
         reader = threading.Thread(target=self._read, name="runner-reader", daemon=True)
         reader.start()
         try:
@@ -90,6 +103,24 @@ class _Worker:
         finally:
             self.engine.close()
         return 0
+
+    def _send_loop(self) -> None:
+        while True:
+            batch = [self.outbox.get()]
+            while len(batch) < MAX_BATCH:
+                try:
+                    batch.append(self.outbox.get_nowait())
+                except queue.Empty:
+                    break
+            stop = batch[-1] is _STOP
+            if stop:
+                batch.pop()
+            if len(batch) == 1:
+                _send_quietly(self.conn, batch[0])
+            elif batch:
+                _send_quietly(self.conn, {"batch": batch})
+            if stop:
+                return
 
     def _loop(self) -> None:
         width = int(getattr(self.engine, "max_concurrent", 1) or 1)
@@ -184,8 +215,7 @@ class _Worker:
         self._send({"id": rid, "event": event, "data": data})
 
     def _send(self, msg: dict[str, Any]) -> None:
-        with self.send_lock:
-            _send_quietly(self.conn, msg)
+        self.outbox.put(msg)
 
 
 def _send_quietly(conn: Connection, msg: dict[str, Any]) -> None:

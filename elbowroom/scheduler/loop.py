@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import math
@@ -32,10 +33,12 @@ from elbowroom.errors import (
     RunnerCrashed,
 )
 from elbowroom.memory import budget
+from elbowroom.memory.pools import Pool, memory_pools, pool_to_dict
 from elbowroom.memory.types import Pressure, Probe, Snapshot
 from elbowroom.models.spec import Holding, ModelKind, ModelSpec
 from elbowroom.runtime.protocol import Runner, RunnerFactory
-from elbowroom.scheduler import policy
+from elbowroom.scheduler import offload_plan, policy
+from elbowroom.scheduler.clients import current_client, queue_cap
 from elbowroom.scheduler.events import EventLog
 from elbowroom.scheduler.inputs import Estimator, Measurements, ModelCatalog, default_estimator
 from elbowroom.scheduler.records import InFlightRequest, Lane, Loaded, Phase
@@ -68,11 +71,14 @@ class Scheduler:
         sleep: Sleep = asyncio.sleep,
         estimator: Estimator | None = None,
         events: EventLog | None = None,
+        server_usage: Callable[[], int] | None = None,
     ) -> None:
         """``catalog``, ``measured`` and ``estimator`` default to / are the model layer's
         Catalog, MeasuredStore and ``models.estimate``; ``probe``, ``runner_factory``,
         ``clock``, ``sleep`` (waits while polling for memory) and ``own_usage`` (bytes our
-        runners hold; default: the sum of their ``measure()``) are the seams tests swap."""
+        runners hold; default: the sum of their ``measure()``) are the seams tests swap.
+        ``server_usage``: the server process's own anonymous bytes; they count as ours, in
+        the default ``own_usage`` and against the load ceiling."""
         self.settings = settings
         self._catalog = catalog
         self._probe = probe
@@ -81,6 +87,8 @@ class Scheduler:
         self._clock = clock
         self._own_usage = own_usage if own_usage is not None else self._runners_usage
         self._sleep = sleep
+        self._server_usage = server_usage if server_usage is not None else _none
+        self._last_server = 0  # the server bytes the last load decision left out
         self._estimate = estimator if estimator is not None else default_estimator()
         self._budget = budget.BudgetConfig.from_settings(settings)
         # What happened, for the dashboard's timeline (loads, unloads, evictions, crashes).
@@ -98,6 +106,7 @@ class Scheduler:
         self._request_ids = itertools.count(1)
         self._last_limit = 0  # the limit's value at the last observation, for state()
         self._last_rule = ("host", "")  # which reserve rule that limit came from, and why
+        self._pools: tuple[Pool, ...] = ()  # host + GPU pools at the last observation
         # Read by the metrics module; plain ints so reading needs no lock.
         self.counters: dict[str, int] = {
             "loads": 0,
@@ -161,11 +170,20 @@ class Scheduler:
                 f"(queue_size {self.settings.queue_size}); retry later",
                 retry_after=min(60.0, max(1.0, retry)),
             )
+        client = current_client.get()  # set by the server only when keys tell clients apart
+        if client is not None and lane.slots.locked():
+            self._check_client_share(spec.id, lane, client)
         lane.waiting += 1
+        if client is not None:
+            lane.waiting_by[client] = lane.waiting_by.get(client, 0) + 1
         try:
             await lane.slots.acquire()
         finally:
             lane.waiting -= 1
+            if client is not None:
+                left = lane.waiting_by.pop(client) - 1
+                if left:
+                    lane.waiting_by[client] = left
         lane.claims += 1
         claimed = True
         try:
@@ -195,6 +213,17 @@ class Scheduler:
             if claimed:
                 lane.claims -= 1
             lane.slots.release()
+
+    def _check_client_share(self, model_id: str, lane: Lane, client: str) -> None:
+        cap = queue_cap(self.settings.queue_size, self.settings.queue_share)
+        if lane.waiting_by.get(client, 0) >= cap:
+            self.counters["refusals_503"] += 1
+            raise QueueFull(
+                f"this API key ({client}) already has {cap} requests waiting for model "
+                f"{model_id!r}; one key may hold at most {cap} of its {self.settings.queue_size} "
+                "queue places (queue_share); retry when one finishes",
+                retry_after=min(60.0, max(1.0, lane.mean_seconds)),
+            )
 
     def _finish(
         self, rec: Loaded, lane: Lane, keep_alive: float | None, started: float, crashed: bool
@@ -271,8 +300,11 @@ class Scheduler:
             # Loads are admitted up to the load ceiling, below the soft threshold: a load that
             # filled the budget would put the guard straight into a pressure episode (unloads,
             # then aborts at hard) as soon as caches and contexts grow a little.
-            state = self._state(limit.ceiling)
+            # The server process's own bytes (request bodies, Python) fill the same budget.
+            self._last_server = self._server_usage()
+            state = self._state(limit.ceiling - self._last_server)
             plan = plan_load(spec, self.settings, state, self._estimate, self._measured)
+            plan = offload_plan.place_on_gpus(plan, spec, self.settings, state, self._pools)
             decision = policy.decide(state, plan.request)
             if isinstance(decision, policy.Admit):
                 return plan
@@ -313,6 +345,7 @@ class Scheduler:
             kv_type=plan.kv_type,
             slots=plan.slots,
             pinned=spec.id in self._pins,
+            placement=plan.placement,
         )
         self._loaded[spec.id] = rec  # its predicted bytes are now a reservation
         try:
@@ -371,10 +404,21 @@ class Scheduler:
             format_size(refusal.limit),
             format_size(refusal.committed),
         )
+        server = self._last_server
+        message = refusal.message()
+        if server:
+            # The policy saw the ceiling less the server's own bytes: report the ceiling
+            # itself, and what the server holds of it.
+            refusal = dataclasses.replace(refusal, limit=refusal.limit + server)
+            bare = dataclasses.replace(refusal, suggestions=()).message()
+            message = f"{bare} (the server process itself holds {format_size(server)} of it)"
+            if refusal.suggestions:
+                message += ": " + "; or ".join(s.message for s in refusal.suggestions)
         details = refusal.details()
         details["memory_limit"] = self._last_limit
         details["memory_rule"], details["memory_rule_why"] = self._last_rule
-        return InsufficientMemory(refusal.message(), code="insufficient_memory", details=details)
+        details["server_usage"] = server
+        return InsufficientMemory(message, code="insufficient_memory", details=details)
 
     # ------------------------------------------------------------------ unloading
 
@@ -393,8 +437,12 @@ class Scheduler:
                 for_model,
             )
             stops.append(self._begin_stop(rec, "load"))
+        gpu_expected = offload_plan.gpu_usage(
+            [self._model_pools(self._loaded[i]) for i in decision.ids if i in self._loaded]
+        )
         await asyncio.gather(*stops)
         await self._settle(before.available, expected)
+        await self._settle_gpus(before, gpu_expected)
 
     async def _settle(self, before_available: int, expected: int) -> None:
         """Wait until ``expected`` freed bytes show up as available (or the deadline)."""
@@ -411,6 +459,21 @@ class Scheduler:
                     format_size(available),
                     format_size(target),
                 )
+                return
+            await self._sleep(_POLL)
+
+    async def _settle_gpus(self, before: Snapshot, expected: dict[int, int]) -> None:
+        """Wait until the evicted runners' VRAM is free again in NVML (or the deadline): a
+        load sized on VRAM the driver has not handed back yet would be placed short."""
+        free0 = {g.index: g.free for g in before.gpus}
+        want = {i: free0[i] + int(b * _SETTLE_FRACTION) for i, b in expected.items() if i in free0}
+        deadline = self._clock() + self.settings.unload_settle_timeout
+        while want:
+            free = {g.index: g.free for g in self._probe().gpus}
+            if all(free.get(i, 0) >= target for i, target in want.items()):
+                return
+            if self._clock() >= deadline:
+                log.warning("freed VRAM did not show up within the settle timeout: %s", free)
                 return
             await self._sleep(_POLL)
 
@@ -560,6 +623,7 @@ class Scheduler:
         own = self._own_usage()
         assessment = budget.assess(snap, own, limit, self._budget)
         committed = sum(rec.held_bytes() for rec in self._loaded.values())
+        server = self._server_usage()
         return {
             "snapshot": plain(snap),
             "limit": budget.limit_to_dict(limit),
@@ -569,13 +633,15 @@ class Scheduler:
             "own_usage": own,
             "committed": committed,
             "ceiling": limit.ceiling,
-            "available": max(0, limit.ceiling - committed),
+            "server_usage": server,
+            "available": max(0, limit.ceiling - committed - server),
             "reservations": [
                 {"id": rec.spec.id, "bytes": rec.predicted}
                 for rec in self._loaded.values()
                 if rec.phase is Phase.LOADING
             ],
             "loads_paused": self.loads_paused,
+            "pools": [pool_to_dict(p) for p in self._pools],
         }
 
     def state(self) -> policy.State:
@@ -603,10 +669,27 @@ class Scheduler:
 
     def _observe(self) -> tuple[Snapshot, budget.Limit]:
         snap = self._probe()
-        limit = budget.memory_limit(snap, self._own_usage(), self._budget)
+        gpu_ours = offload_plan.gpu_usage([self._model_pools(r) for r in self._loaded.values()])
+        self._pools = memory_pools(
+            snap,
+            self._own_usage(),
+            gpu_ours,
+            self._budget,
+            gpu_reserve_bytes=self.settings.gpu_reserve,
+            gpu_override=self.settings.override_gpu_memory,
+        )
+        # The host (or unified) pool's limit is budget.memory_limit's, plus the Metal wired
+        # limit as a candidate on Apple Silicon.
+        limit = self._pools[0].limit
         self._last_limit = limit.value
         self._last_rule = (limit.rule, limit.rule_why)
         return snap, limit
+
+    def _model_pools(self, rec: Loaded) -> dict[str, int]:
+        """Bytes ``rec`` holds per GPU pool: predicted while loading, then rescaled to what
+        NVML measures for its process."""
+        mem = rec.measure() if rec.phase is Phase.READY else None
+        return offload_plan.model_pools(rec.placement, mem.gpu if mem is not None else None)
 
     def _state(self, limit: int) -> policy.State:
         models = []
@@ -625,12 +708,14 @@ class Scheduler:
                     expires_at=rec.expires_at,
                     # Stopping models still hold their bytes and cannot be chosen again.
                     loading=rec.phase is not Phase.READY,
+                    pools=self._model_pools(rec),
                 )
             )
-        return policy.State(tuple(models), limit)
+        gpu_limits = {p.name: p.ceiling for p in self._pools if p.kind == "gpu"}
+        return policy.State(tuple(models), limit, gpu_limits)
 
     def _runners_usage(self) -> int:
-        total = 0
+        total = self._server_usage()
         for rec in self._loaded.values():
             mem = rec.measure()
             total += mem.resident if mem is not None else 0
@@ -663,6 +748,10 @@ class Scheduler:
                 await self.tick()
             except Exception:
                 log.exception("keep-alive tick failed")
+
+
+def _none() -> int:
+    return 0
 
 
 def _retrieve(task: asyncio.Task[Any]) -> None:

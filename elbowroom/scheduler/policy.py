@@ -10,18 +10,26 @@ loaded models are candidates, least recently used first; the load evicts the sho
 prefix of that order that makes it fit. Busy models are never evicted for a load: when
 only they stand in the way, the load waits for them (``Wait``); when even evicting every
 model would not make room, the load is refused with the numbers and what to change.
+
+Pools: host RAM is ``bytes``/``limit``; each GPU pool ("gpu0", ...) has its own ceiling in
+``State.pool_limits``, and a model or load holds ``pools`` bytes there. A load fits when
+every pool it needs fits. Eviction frees the pool that is short: a model is taken (least
+recently used first) only when it holds bytes in a pool still short, so a VRAM shortfall
+evicts models on that GPU, not CPU-only ones. A refusal names the pool that cannot fit.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from elbowroom.memory.types import Pressure
 from elbowroom.models.spec import Holding, ModelKind
 from elbowroom.units import format_size
+
+HOST = "host"  # the host RAM pool's name in shortfalls and refusals
 
 # Auto-sized contexts and suggested --ctx values are multiples of this (llama.cpp pads the
 # KV cache to 256 cells anyway, so a finer suggestion would not save anything).
@@ -41,6 +49,7 @@ class ModelState:
     last_used: float = 0.0  # clock seconds
     expires_at: float | None = None  # clock seconds; None: never expires
     loading: bool = False  # its bytes are a reservation for a load in progress
+    pools: Mapping[str, int] = field(default_factory=dict)  # bytes in GPU pools ("gpu0")
 
     @property
     def idle(self) -> bool:
@@ -51,6 +60,7 @@ class ModelState:
 class State:
     models: tuple[ModelState, ...]
     limit: int  # the load ceiling: bytes our models may hold (below the soft threshold)
+    pool_limits: Mapping[str, int] = field(default_factory=dict)  # GPU pools' ceilings
 
     @property
     def committed(self) -> int:
@@ -60,11 +70,23 @@ class State:
     def available(self) -> int:
         return max(0, self.limit - self.committed)
 
+    def pool_committed(self, pool: str) -> int:
+        if pool == HOST:
+            return self.committed
+        return sum(m.pools.get(pool, 0) for m in self.models)
+
+    def pool_ceiling(self, pool: str) -> int:
+        return self.limit if pool == HOST else self.pool_limits.get(pool, 0)
+
+    def pool_available(self, pool: str) -> int:
+        return max(0, self.pool_ceiling(pool) - self.pool_committed(pool))
+
     def get(self, model_id: str) -> ModelState | None:
         return next((m for m in self.models if m.id == model_id), None)
 
     def without(self, model_id: str) -> State:
-        return State(tuple(m for m in self.models if m.id != model_id), self.limit)
+        kept = tuple(m for m in self.models if m.id != model_id)
+        return State(kept, self.limit, self.pool_limits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,8 +107,13 @@ class ContextCost:
 @dataclass(frozen=True, slots=True)
 class LoadRequest:
     model: str
-    needed: int  # predicted bytes of the model once loaded
+    needed: int  # predicted host bytes of the model once loaded
     context: ContextCost | None = None  # LLMs only
+    pools: Mapping[str, int] = field(default_factory=dict)  # predicted bytes per GPU pool
+
+    def needs(self) -> dict[str, int]:
+        """Bytes per pool, host first."""
+        return {HOST: self.needed, **{p: b for p, b in self.pools.items() if b > 0}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,17 +158,22 @@ class Refuse:
     evictable: int  # bytes that evicting every idle unpinned model would free
     loaded: tuple[ModelState, ...]
     suggestions: tuple[Suggestion, ...] = field(default=())
+    # The pool that cannot fit ("host" or a GPU pool such as "gpu0"): needed, available,
+    # evictable, limit and committed above are that pool's numbers.
+    pool: str = HOST
+    pools: Mapping[str, Mapping[str, int]] = field(default_factory=dict)  # every pool asked
 
     @property
     def shortfall(self) -> int:
         return max(0, self.needed - self.available - self.evictable)
 
     def message(self) -> str:
+        where = "" if self.pool == HOST else f" in GPU pool {self.pool}"
         text = (
-            f"model {self.model!r} needs {format_size(self.needed)} but only "
+            f"model {self.model!r} needs {format_size(self.needed)}{where} but only "
             f"{format_size(self.available + self.evictable)} of the "
-            f"{format_size(self.limit)} load ceiling (load_fraction of the memory limit) "
-            "can be made free"
+            f"{format_size(self.limit)} load ceiling (load_fraction of the "
+            f"{'memory' if self.pool == HOST else self.pool} limit) can be made free"
         )
         if self.suggestions:
             text += ": " + "; or ".join(s.message for s in self.suggestions)
@@ -151,27 +183,33 @@ class Refuse:
         """The numbers of the 507 body (bytes as ints)."""
         return {
             "model": self.model,
+            "pool": self.pool,
+            "pools": {name: dict(nums) for name, nums in self.pools.items()},
             "needed": self.needed,
             "available": self.available,
             "evictable": self.evictable,
             "shortfall": self.shortfall,
             "limit": self.limit,
             "committed": self.committed,
-            "loaded": [
-                {
-                    "id": m.id,
-                    "bytes": m.bytes,
-                    "pinned": m.pinned,
-                    "busy": m.busy,
-                    "loading": m.loading,
-                }
-                for m in self.loaded
-            ],
+            "loaded": [_loaded_entry(m) for m in self.loaded],
             "suggestions": [s.to_dict() for s in self.suggestions],
         }
 
 
 Decision = Admit | Evict | Wait | Refuse
+
+
+def _loaded_entry(m: ModelState) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "id": m.id,
+        "bytes": m.bytes,
+        "pinned": m.pinned,
+        "busy": m.busy,
+        "loading": m.loading,
+    }
+    if m.pools:
+        entry["pools"] = dict(m.pools)
+    return entry
 
 
 def eviction_order(models: Iterable[ModelState]) -> list[ModelState]:
@@ -192,27 +230,80 @@ def _prefix_freeing(order: Sequence[ModelState], need: int) -> list[ModelState] 
     return taken if freed >= need else None
 
 
+def _held(m: ModelState, pool: str) -> int:
+    return m.bytes if pool == HOST else m.pools.get(pool, 0)
+
+
+def shortfalls(state: State, request: LoadRequest) -> dict[str, int]:
+    """Bytes each pool is short of for ``request`` (pools that fit are left out)."""
+    out = {}
+    for pool, need in request.needs().items():
+        short = need - state.pool_available(pool)
+        if short > 0:
+            out[pool] = short
+    return out
+
+
+def _covering(models: Sequence[ModelState], short: Mapping[str, int]) -> list[ModelState] | None:
+    """Models from ``models`` (in order) that free every shortfall: a model is taken only
+    while it holds bytes in a pool still short. None when all of them cannot."""
+    left = dict(short)
+    taken: list[ModelState] = []
+    for m in models:
+        if all(v <= 0 for v in left.values()):
+            break
+        if any(left[p] > 0 and _held(m, p) > 0 for p in left):
+            taken.append(m)
+            for p in left:
+                left[p] -= _held(m, p)
+    return taken if all(v <= 0 for v in left.values()) else None
+
+
 def decide(state: State, request: LoadRequest) -> Decision:
     # A (re)load replaces whatever the model held: its old bytes are not in the way.
     state = state.without(request.model)
-    available = state.available
-    if request.needed <= available:
+    short = shortfalls(state, request)
+    if not short:
         return Admit()
-    shortfall = request.needed - available
     order = eviction_order(state.models)
-    taken = _prefix_freeing(order, shortfall)
+    taken = _covering(order, short)
     if taken is not None:
         return Evict(tuple(m.id for m in taken), sum(m.bytes for m in taken))
-    evictable = sum(m.bytes for m in order)
-    busy = [m for m in state.models if m.busy > 0 and not m.pinned]
-    if busy and evictable + sum(m.bytes for m in busy) >= shortfall:
-        return Wait(tuple(m.id for m in sorted(busy, key=lambda m: (m.last_used, m.id))))
+    busy = sorted(
+        (m for m in state.models if m.busy > 0 and not m.pinned), key=lambda m: (m.last_used, m.id)
+    )
+    if busy and _covering(order + busy, short) is not None:
+        return Wait(tuple(m.id for m in busy))
     return refuse(state, request)
 
 
+def _pool_numbers(state: State, request: LoadRequest) -> dict[str, dict[str, int]]:
+    order = eviction_order(state.models)
+    out = {}
+    for pool, need in request.needs().items():
+        out[pool] = {
+            "needed": need,
+            "available": state.pool_available(pool),
+            "evictable": sum(_held(m, pool) for m in order),
+            "limit": state.pool_ceiling(pool),
+            "committed": state.pool_committed(pool),
+        }
+    return out
+
+
 def refuse(state: State, request: LoadRequest) -> Refuse:
-    """The refusal for ``request``, with what would make it fit, most practical first."""
+    """The refusal for ``request``, with what would make it fit, most practical first.
+
+    It names the pool that cannot fit even after every idle model is evicted (a GPU pool
+    before host RAM when both cannot); its numbers are the refusal's."""
     state = state.without(request.model)
+    numbers = _pool_numbers(state, request)
+    hopeless = [p for p, n in numbers.items() if n["needed"] > n["available"] + n["evictable"]]
+    short = [p for p, n in numbers.items() if n["needed"] > n["available"]]
+    ranked = sorted(hopeless or short or [HOST], key=lambda p: (p == HOST, p))
+    pool = ranked[0]
+    if pool != HOST:
+        return _refuse_gpu(state, request, pool, numbers)
     order = eviction_order(state.models)
     evictable = sum(m.bytes for m in order)
     room = state.available + evictable  # the most this load can get without help
@@ -276,6 +367,45 @@ def refuse(state: State, request: LoadRequest) -> Refuse:
         evictable=evictable,
         loaded=tuple(others),
         suggestions=tuple(suggestions),
+        pool=HOST,
+        pools=numbers,
+    )
+
+
+def _refuse_gpu(
+    state: State, request: LoadRequest, pool: str, numbers: dict[str, dict[str, int]]
+) -> Refuse:
+    n = numbers[pool]
+    room = n["available"] + n["evictable"]
+    suggestions = [
+        Suggestion(
+            "gpu_layers",
+            f"leave gpu_layers unset (auto) so that what does not fit in {pool}'s "
+            f"{format_size(room)} stays on the CPU, or set --gpu-layers 0",
+            None,
+        )
+    ]
+    pinned = [m for m in state.models if m.pinned and _held(m, pool) > 0]
+    for m in sorted(pinned, key=lambda m: (m.last_used, m.id)):
+        suggestions.append(
+            Suggestion(
+                "unload_pinned",
+                f"unload pinned model {m.id!r} ({format_size(_held(m, pool))} in {pool}): "
+                f"POST /api/models/{m.id}/unload",
+                m.id,
+            )
+        )
+    return Refuse(
+        model=request.model,
+        needed=n["needed"],
+        available=n["available"],
+        limit=n["limit"],
+        committed=n["committed"],
+        evictable=n["evictable"],
+        loaded=tuple(state.models),
+        suggestions=tuple(suggestions),
+        pool=pool,
+        pools=numbers,
     )
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from elbowroom.memory.types import ProcessMemory
 from elbowroom.models.spec import ModelKind, ModelSpec
 from elbowroom.runtime.protocol import ReadyInfo, Runner
+from elbowroom.scheduler.placement import Placement
 
 
 class Phase(enum.StrEnum):
@@ -56,6 +57,7 @@ class Lane:
     restarts: int = 0  # loads that followed a crash
     load_task: asyncio.Task[Loaded] | None = None
     mean_seconds: float = 1.0  # moving average of request durations, for Retry-After
+    waiting_by: dict[str, int] = field(default_factory=dict)  # waiting requests per client
 
     def note_crash(self, now: float, cause: str, initial: float, maximum: float) -> None:
         self.crash_streak += 1
@@ -85,6 +87,7 @@ class Loaded:
     expires_at: float | None = None  # clock seconds; None: never
     ready: ReadyInfo | None = None
     unload_when_idle: str | None = None  # reason of an unload asked while requests ran
+    placement: Placement | None = None  # where its layers are (GPU offload)
     stop_task: asyncio.Task[None] | None = None
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
 

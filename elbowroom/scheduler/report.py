@@ -64,4 +64,8 @@ def describe(rec: Loaded, lane: Lane | None, now: float) -> dict[str, Any]:
         "expires_at": iso(expires),
         "load_seconds": ready.load_seconds if ready is not None else None,
         "restarts": lane.restarts if lane is not None else 0,
+        # Where its layers are: "100% GPU", "35%/65% CPU/GPU", ... (None: not an LLM or no
+        # placement was made, e.g. no GPU).
+        "processor": rec.placement.split if rec.placement is not None else None,
+        "placement": rec.placement.to_dict() if rec.placement is not None else None,
     }

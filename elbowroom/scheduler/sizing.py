@@ -12,6 +12,7 @@ from typing import Any
 from elbowroom.config import Settings
 from elbowroom.models.spec import Footprint, ModelSpec
 from elbowroom.scheduler.inputs import Estimator, Measurements
+from elbowroom.scheduler.placement import Placement
 from elbowroom.scheduler.policy import ContextCost, LoadRequest, State
 
 
@@ -22,6 +23,7 @@ class Plan:
     n_ctx: int  # 0 for engines without a context
     kv_type: str
     slots: int
+    placement: Placement | None = None  # GPU offload (scheduler.offload_plan); None: CPU
 
 
 def has_context(spec: ModelSpec) -> bool:
@@ -92,4 +94,6 @@ def start_options(settings: Settings, plan: Plan) -> dict[str, Any]:
         "kv_cache_dir": str(settings.kv_cache_path),
         "kv_disk_max": settings.kv_disk_max,
         "kv_block_tokens": settings.kv_block_tokens,
+        # n_gpu_layers, gpu_devices, tensor_split (scheduler/placement.py)
+        **(plan.placement.engine_options() if plan.placement is not None else {}),
     }

@@ -22,6 +22,20 @@ class LoadRequest(BaseModel):
     pin: bool | None = None  # True pins, False unpins, absent keeps the pin as it is
 
 
+@router.get("/elbowroom/models")
+async def models(request: Request) -> dict[str, Any]:
+    """Every model the catalog serves, and the files it skipped with the reason."""
+    from elbowroom.server.openai_routes import model_card
+
+    catalog = get_services(request).catalog
+    return {
+        "models": [model_card(spec) for spec in catalog.list()],
+        "problems": [
+            {"path": str(p.path), "reason": p.reason} for p in getattr(catalog, "problems", ())
+        ],
+    }
+
+
 @router.get("/elbowroom/ps")
 async def ps(request: Request) -> dict[str, Any]:
     services = get_services(request)

@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -24,10 +25,12 @@ from elbowroom.errors import ElbowroomError
 from elbowroom.guard.admission import AdmissionMiddleware
 from elbowroom.memory.types import Probe
 from elbowroom.server import admin_routes, dashboard_routes, ollama_routes, openai_routes
-from elbowroom.server.auth import ApiKeyMiddleware
+from elbowroom.server.auth import ApiKeyMiddleware, Keys
 from elbowroom.server.deps import Services
 from elbowroom.server.errors import install_error_handlers
+from elbowroom.server.limits import BodyGate
 from elbowroom.server.metrics import MetricsMiddleware
+from elbowroom.server.origin import OriginMiddleware, OriginPolicy
 
 log = logging.getLogger("elbowroom.server")
 
@@ -72,21 +75,24 @@ def create_app(
         lifespan=lifespan,
         docs_url=None,
         redoc_url=None,
-        # A body without a Content-Type is parsed as JSON too (curl users forget -H).
-        strict_content_type=False,
     )
     if services is not None:
         app.state.services = services
     install_error_handlers(app)
-    # Starlette runs the middleware added last first: the API key (nothing unauthenticated
-    # gets further, not even into metrics labels), then metrics (which so also counts the
-    # guard's refusals), then the guard's admission gate (503 under hard memory pressure).
+    # Starlette runs the middleware added last first: Host/Origin (a foreign web page gets
+    # nothing, not even a 401), the API key (nothing unauthenticated gets further, not
+    # even into metrics labels), metrics (which so also counts the refusals after it), the
+    # guard's admission gate (503 under hard memory pressure, before the body is read),
+    # then the body gate (content type, sizes, bounded parsing; docs/security.md).
+    app.add_middleware(BodyGate, settings=settings)
     app.add_middleware(AdmissionMiddleware, guard=lambda: _guard_of(app))
     # Outside the guard's gate, so its 503s are on the dashboard's timeline too.
     app.add_middleware(dashboard_routes.RefusalEvents, events=lambda: _events_of(app))
     app.add_middleware(MetricsMiddleware)
-    if settings.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    keys = Keys.from_settings(settings)
+    if keys.any:
+        app.add_middleware(ApiKeyMiddleware, keys=keys)
+    app.add_middleware(OriginMiddleware, policy=OriginPolicy.from_settings(settings))
 
     @app.get("/health", include_in_schema=False)
     async def health() -> dict[str, str]:
@@ -140,6 +146,7 @@ async def start_services(settings: Settings, *, probe: Probe | None = None) -> S
         probe=probe,
         runner_factory=supervisor_factory(settings),
         measured=_measured_store(settings),
+        server_usage=SERVER_BYTES,
     )
     guard = PressureGuard(SchedulerTarget(scheduler), enabled=settings.memory_guard)
     monitor = Monitor(
@@ -176,13 +183,42 @@ async def stop_services(services: Services) -> None:
 
 
 def _runners_resident() -> int:
-    """Bytes our runner processes (the server's descendants) hold: the monitor's own_usage."""
+    """Bytes our runner processes (the server's descendants) hold, plus the server's own
+    anonymous bytes: the monitor's own_usage."""
     from elbowroom.memory.process import measure_tree
 
     try:
-        return measure_tree(os.getpid(), include_self=False).resident
+        runners = measure_tree(os.getpid(), include_self=False).resident
     except (ProcessLookupError, FileNotFoundError, PermissionError):
-        return 0
+        runners = 0
+    return runners + SERVER_BYTES()
+
+
+class ServerBytes:
+    """The server process's anonymous bytes (request bodies, Python objects: what it cannot
+    give back), re-read at most every ``ttl`` seconds: the scheduler asks on every decision.
+    File-backed pages (the interpreter, libraries) are left out, as for runners' weights."""
+
+    def __init__(self, ttl: float = 0.5, clock: Callable[[], float] = time.monotonic) -> None:
+        self._ttl = ttl
+        self._clock = clock
+        self._at = -ttl
+        self._value = 0
+
+    def __call__(self) -> int:
+        now = self._clock()
+        if now - self._at >= self._ttl:
+            from elbowroom.memory.process import measure_pid
+
+            try:
+                self._value = measure_pid(os.getpid()).anonymous
+            except (ProcessLookupError, OSError):
+                self._value = 0
+            self._at = now
+        return self._value
+
+
+SERVER_BYTES = ServerBytes()
 
 
 def _measured_store(settings: Settings) -> Any:

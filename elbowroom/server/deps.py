@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from elbowroom.config import Settings
-from elbowroom.errors import BadRequest, ElbowroomError
+from elbowroom.errors import BadRequest, ElbowroomError, Unavailable
 
 
 @dataclass(slots=True)
@@ -33,7 +33,7 @@ class Services:
 def get_services(request: Request) -> Services:
     services: Services | None = getattr(request.app.state, "services", None)
     if services is None:  # only between process start and the end of the lifespan startup
-        raise ElbowroomError("the server is still starting")
+        raise Unavailable("the server is still starting; retry in a moment", retry_after=1.0)
     return services
 
 

@@ -2,11 +2,16 @@
 
 FastAPI's defaults (422 validation lists, ``{"detail": ...}`` 404s, plain-text 500s) are
 replaced so that clients written against OpenAI can show the message and the param.
+
+A 500 never carries the exception's text (paths, library internals, pieces of another
+request): the client gets a generic message with an error id, the log gets the details
+under the same id (``public_error``).
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,9 +34,34 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 async def _on_elbowroom_error(request: Request, err: ElbowroomError) -> JSONResponse:
-    if err.status >= 500:
+    if err.status == 500:
+        return error_response(public_error(err, f"{request.method} {request.url.path}"))
+    if err.status > 500:
         log.warning("%s %s -> %d %s", request.method, request.url.path, err.status, err.message)
     return error_response(err)
+
+
+def public_error(err: BaseException, where: str = "") -> ElbowroomError:
+    """What a client may see of an internal error: 503/507 and 4xx errors are written for
+    clients and pass unchanged; anything else becomes a generic 500 with an error id, and
+    the details go to the log under that id."""
+    if isinstance(err, ElbowroomError) and err.status != 500:
+        return err
+    error_id = secrets.token_hex(6)
+    detail = err.message if isinstance(err, ElbowroomError) else repr(err)
+    log.error(
+        "internal error %s%s: %s",
+        error_id,
+        f" on {where}" if where else "",
+        detail,
+        exc_info=err if not isinstance(err, ElbowroomError) else None,
+    )
+    return ElbowroomError(
+        f"The server had an internal error (error id {error_id}); the details are in the "
+        "server's log under that id.",
+        code="internal_error",
+        details={"error_id": error_id},
+    )
 
 
 async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -57,6 +87,13 @@ def validation_to_bad_request(errors: Sequence[Any]) -> BadRequest:
             )
         return BadRequest("The request body must be a JSON object")
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if kind == "extra_forbidden":
+        return BadRequest(
+            f"Unsupported parameter: {param!r} is not a parameter elbowroom accepts here; "
+            "remove it (docs/api.md lists every parameter: supported, ignored, refused)",
+            param=param,
+            code="unsupported_parameter",
+        )
     if kind == "missing":
         message = f"Missing required parameter: {param!r}"
     elif param is not None:
@@ -118,8 +155,7 @@ async def _on_http_exception(request: Request, exc: StarletteHTTPException) -> J
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-    log.exception("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(ElbowroomError("The server had an unexpected error; it has been logged."))
+    return error_response(public_error(exc, f"{request.method} {request.url.path}"))
 
 
 class _NotFoundRoute(ElbowroomError):

@@ -369,8 +369,9 @@ class MetricsMiddleware:
     """Times the API endpoints in ``ENDPOINTS`` and counts their statuses and refusals.
 
     The model label comes from the request body (JSON ``model`` or a multipart ``model``
-    field, first 64 KiB) and only when the server did not answer 404 for it: labels come
-    from the catalog's ids, never from arbitrary client strings.
+    field, first 64 KiB), mapped onto the catalog (``model_label``): a catalog id, "unknown"
+    for any other name, "-" when the body names none. Labels never carry client strings, so
+    10,000 random names make one series, not 10,000.
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -413,21 +414,23 @@ class MetricsMiddleware:
             await self.app(scope, tee_receive, tee_send)
         finally:
             try:
-                self._observe(endpoint, bytes(peek), status, streaming, began, first, error_body)
+                state = getattr(scope.get("app"), "state", None)
+                catalog = getattr(getattr(state, "services", None), "catalog", None)
+                model = model_label(model_from_body(bytes(peek)), catalog)
+                self._observe(endpoint, model, status, streaming, began, first, error_body)
             except Exception:  # metrics must never break a response
                 log.exception("recording request metrics failed")
 
     @staticmethod
     def _observe(
         endpoint: str,
-        peek: bytes,
+        model: str,
         status: int,
         streaming: bool,
         began: float,
         first: float | None,
         error_body: bytearray,
     ) -> None:
-        model = "-" if status == 404 else model_from_body(peek)
         m = METRICS
         m.requests.labels(endpoint=endpoint, model=model, status=str(status)).inc()
         if status in (503, 507):
@@ -459,6 +462,35 @@ def model_from_body(peek: bytes) -> str:
     if not isinstance(value, str) or not value or len(value) > _MODEL_LABEL_MAX:
         return "-"
     return value
+
+
+def model_label(name: str, catalog: Any) -> str:
+    """``name`` as a metric label: the catalog id it is or aliases, else "unknown"."""
+    if name == "-":
+        return name
+    if catalog is None:
+        return "unknown"
+    if _known(catalog, name):
+        return name
+    from elbowroom.server.model_calls import (
+        EMBEDDING_ALIASES,
+        SPEECH_ALIASES,
+        TRANSCRIPTION_ALIASES,
+    )
+
+    for table in (TRANSCRIPTION_ALIASES, SPEECH_ALIASES, EMBEDDING_ALIASES):
+        for target in table.get(name, ()):
+            if _known(catalog, target):
+                return target
+    return "unknown"
+
+
+def _known(catalog: Any, model_id: str) -> bool:
+    try:
+        catalog.get(model_id)
+    except Exception:  # ModelNotFound, or a catalog that cannot answer: not a label
+        return False
+    return True
 
 
 def _error_type(body: bytes) -> str:

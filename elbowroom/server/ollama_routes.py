@@ -33,7 +33,7 @@ from elbowroom.server.metrics import record_tokens
 from elbowroom.server.model_calls import run_once
 from elbowroom.server.ollama_reply import NdjsonStream, Reply, Timing, stream_reply
 from elbowroom.server.schemas import ChatCompletionRequest, CompletionRequest
-from elbowroom.server.sse import open_generation
+from elbowroom.server.sse import ClientGone, gone_response, open_generation, unless_client_leaves
 
 log = logging.getLogger("elbowroom.server")
 
@@ -283,7 +283,11 @@ async def _text(
     if body.stream:
         return NdjsonStream(stream_reply(generation, reply, spec.id))
     try:
-        done = await reply.collect(generation)
+        done = await unless_client_leaves(request, reply.collect(generation))
+    except ClientGone:
+        log.info("client went away before its answer: cancelled on %s", spec.id)
+        await generation.release()
+        return gone_response()
     except BaseException as exc:
         await generation.release(exc)
         raise

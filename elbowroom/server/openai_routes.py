@@ -14,10 +14,20 @@ from fastapi.responses import JSONResponse, Response
 from elbowroom.errors import BadRequest, ElbowroomError
 from elbowroom.models.spec import ModelKind, ModelSpec
 from elbowroom.server.deps import get_services, parse_keep_alive
+from elbowroom.server.errors import public_error
 from elbowroom.server.metrics import record_tokens
 from elbowroom.server.schemas import ChatCompletionRequest, CompletionRequest
-from elbowroom.server.shapes import Envelope, Kind
-from elbowroom.server.sse import DONE, Generation, ManagedStream, open_generation, sse
+from elbowroom.server.shapes import Envelope, Kind, Logprobs
+from elbowroom.server.sse import (
+    DONE,
+    ClientGone,
+    Generation,
+    ManagedStream,
+    gone_response,
+    open_generation,
+    sse,
+    unless_client_leaves,
+)
 
 log = logging.getLogger("elbowroom.server")
 
@@ -75,6 +85,7 @@ async def _generate(
     services = get_services(request)
     settings = services.settings
     spec = _text_model(services.catalog, body.model or settings.default_model)
+    _check_for_model(spec, body)
     max_tokens, param = body.requested_max_tokens()
     if max_tokens is not None and max_tokens > ABSURD_MAX_TOKENS:
         raise BadRequest(
@@ -92,19 +103,33 @@ async def _generate(
     keep_alive = parse_keep_alive(body.keep_alive)
     payload = {**inputs, **body.sampling(max_tokens)}
     envelope = Envelope.new(kind, spec.id, int(time.time()))
+    top = body.top_count()
+    view = Logprobs(kind, top) if top is not None else None
 
     generation = await open_generation(services.scheduler, spec.id, keep_alive, kind, payload)
     if body.stream:
-        return ManagedStream(_stream(generation, envelope, body.include_usage()))
+        return ManagedStream(_stream(generation, envelope, body.include_usage(), view))
     try:
-        done = await _collect(generation)
+        done = await unless_client_leaves(request, _collect(generation))
+    except ClientGone:
+        log.info("client went away before its answer: cancelled %s on %s", envelope.id, spec.id)
+        await generation.release()
+        return gone_response()
     except BaseException as exc:
         await generation.release(exc)
         raise
     await generation.release()
     record_tokens(spec.id, done.get("usage"))
-    text = str(done.get("text", ""))
-    return JSONResponse(envelope.response(text, done.get("finish_reason"), done.get("usage", {})))
+    return JSONResponse(
+        envelope.response(
+            str(done.get("text", "")),
+            done.get("finish_reason"),
+            done.get("usage", {}),
+            tool_calls=done.get("tool_calls") or None,
+            logprobs=view.render(done.get("logprobs") or []) if view is not None else None,
+            reasoning=done.get("reasoning") or None,
+        )
+    )
 
 
 def _text_model(catalog: Any, model_id: str) -> ModelSpec:
@@ -119,6 +144,39 @@ def _text_model(catalog: Any, model_id: str) -> ModelSpec:
     return spec
 
 
+# Content parts a model could only read with an ear or an eye elbowroom does not have yet.
+_UNREADABLE_PARTS = {
+    "image_url": "has no vision: image_url content parts need a vision model, and elbowroom "
+    "serves none yet. Send the text only.",
+    "input_audio": "cannot hear: transcribe the audio first (POST /v1/audio/transcriptions) "
+    "and send the text.",
+    "file": "cannot read file parts: send the file's text as a text part.",
+}
+
+
+def _check_for_model(spec: ModelSpec, body: ChatCompletionRequest | CompletionRequest) -> None:
+    """What only the model can decide: which content parts it reads, which token ids its
+    vocabulary has (the engine silently ignores a logit_bias id it does not know)."""
+    if isinstance(body, ChatCompletionRequest):
+        for i, msg in enumerate(body.messages):
+            for j, part in enumerate(msg.content if isinstance(msg.content, list) else ()):
+                if part.type in _UNREADABLE_PARTS:
+                    raise BadRequest(
+                        f"The model {spec.id!r} {_UNREADABLE_PARTS[part.type]}",
+                        param=f"messages[{i}].content[{j}].type",
+                        code="model_not_supported",
+                    )
+    n_vocab = spec.gguf.n_vocab if spec.gguf is not None else None
+    unknown = [t for t in body.token_ids() if n_vocab is not None and t >= n_vocab]
+    if unknown:
+        raise BadRequest(
+            f"logit_bias names token id {unknown[0]}, which is not in the vocabulary of "
+            f"{spec.id!r} (ids 0..{(n_vocab or 1) - 1})",
+            param="logit_bias",
+            code="invalid_value",
+        )
+
+
 async def _collect(generation: Generation) -> dict[str, Any]:
     pieces: list[str] = []
     async for item in generation.events():
@@ -130,40 +188,80 @@ async def _collect(generation: Generation) -> dict[str, Any]:
     raise ElbowroomError("the runner ended the request without a result")
 
 
+def _late_chunk(
+    envelope: Envelope,
+    done: dict[str, Any],
+    view: Logprobs | None,
+    streamed_logprobs: int,
+    streamed_calls: bool,
+    include_usage: bool,
+) -> dict[str, Any] | None:
+    """What the engine reported only with its result (emulated tool calls are parsed from
+    the whole reply), as one chunk before the last, so a stream adds up to the whole answer."""
+    entries = list(done.get("logprobs") or ())[streamed_logprobs:] if view is not None else []
+    calls = None if streamed_calls else done.get("tool_calls")
+    if not entries and not calls:
+        return None
+    return envelope.chunk(
+        None,
+        include_usage=include_usage,
+        tool_calls=[{"index": i, **c} for i, c in enumerate(calls)] if calls else None,
+        logprobs=view.render(entries) if view is not None and entries else None,
+    )
+
+
 async def _stream(
-    generation: Generation, envelope: Envelope, include_usage: bool
+    generation: Generation, envelope: Envelope, include_usage: bool, view: Logprobs | None
 ) -> AsyncIterator[bytes]:
     failure: BaseException | None = None
+    streamed_logprobs = 0
+    streamed_calls = False
     try:
         if envelope.kind == "chat":
             yield sse(envelope.chunk("", first=True, include_usage=include_usage))
         async for item in generation.events():
             if item.get("type") == "done":
                 record_tokens(envelope.model, item.get("usage"))
+                late = _late_chunk(
+                    envelope, item, view, streamed_logprobs, streamed_calls, include_usage
+                )
+                if late is not None:
+                    yield sse(late)
                 finish = item.get("finish_reason")
                 yield sse(envelope.chunk(None, finish, include_usage=include_usage))
                 if include_usage:
                     yield sse(envelope.usage_chunk(item.get("usage", {})))
                 yield DONE
                 return
-            text = str(item.get("text", ""))
-            if text:
-                yield sse(envelope.chunk(text, include_usage=include_usage))
+            text = str(item.get("text") or "")
+            calls = item.get("tool_calls") or None
+            entries = item.get("logprobs") or None
+            reasoning = item.get("reasoning") or None
+            if not (text or calls or reasoning or (entries and view is not None)):
+                continue
+            streamed_calls = streamed_calls or bool(calls)
+            streamed_logprobs += len(entries or ())
+            yield sse(
+                envelope.chunk(
+                    text if text or envelope.kind == "completion" else None,
+                    include_usage=include_usage,
+                    tool_calls=calls,
+                    logprobs=view.render(entries) if view is not None and entries else None,
+                    reasoning=reasoning,
+                )
+            )
         raise ElbowroomError("the runner ended the stream without a result")
     except ElbowroomError as err:
         # Headers are gone already: the error becomes the stream's last event.
         failure = err
-        yield sse(err.to_openai())
+        yield sse(public_error(err, f"stream {envelope.id}").to_openai())
     except (GeneratorExit, asyncio.CancelledError):
         # The client went away: closing the runner's iterator (in release) cancels the work.
         log.info("client went away mid-stream: cancelling %s on %s", envelope.id, envelope.model)
         raise
     except Exception as err:
         failure = err
-        log.exception("unexpected error while streaming", exc_info=err)
-        yield sse(
-            ElbowroomError("The server had an unexpected error; it has been logged.").to_openai()
-        )
+        yield sse(public_error(err, f"stream {envelope.id}").to_openai())
     finally:
         # A disconnect (GeneratorExit / cancellation) is a normal release for the scheduler.
         await generation.release(failure)

@@ -1,76 +1,83 @@
 """Request bodies of the OpenAI text routes, validated strictly (a string is not a number).
 
-Unknown fields are ignored (clients send many optional OpenAI params); the ones that would
-change the output and that we cannot honour (n > 1, echo, suffix, non-text content parts)
-are refused with a 400 naming them. docs/api.md lists every param.
+Every param is one of three kinds, and docs/api.md lists each:
+
+- **supported**: validated here, honoured by the engine;
+- **accepted and ignored**: OpenAI params that change nothing about the output
+  (``user``, ``metadata``, ``store``, ...): typed, so a wrong type is still a 400;
+- **refused**: OpenAI params we cannot honour (``n`` > 1, ``audio``, ``functions``, ...)
+  are a 400 that names the param and says what to send instead.
+
+Anything else is a 400 naming the unknown param (``extra="forbid"``): a typo or a param of
+another API is never silently ignored.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
-_STRICT = ConfigDict(strict=True, extra="ignore")
+from elbowroom.server.chat_schemas import (
+    STRICT,
+    ChatMessage,
+    NamedToolChoice,
+    ResponseFormat,
+    Tool,
+    parse_tool_choice,
+)
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(ge=0.0, le=1.0)]
 MaxTokens = Annotated[int, Field(ge=1)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+Seed = Annotated[int, Field(ge=-(1 << 63), le=(1 << 63) - 1)]
 KeepAlive = int | float | str
 
-
-class TextPart(BaseModel):
-    model_config = _STRICT
-    type: str
-    text: str | None = None
-
-    @field_validator("type")
-    @classmethod
-    def _only_text(cls, v: str) -> str:
-        if v != "text":
-            raise ValueError(f"content parts of type {v!r} are not supported; only 'text'")
-        return v
-
-
-class ChatMessage(BaseModel):
-    model_config = _STRICT
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text or "" for part in self.content)
-
-    def to_engine(self) -> dict[str, Any]:
-        # llama.cpp chat templates know system/user/assistant/tool; "developer" is
-        # OpenAI's newer name for system.
-        role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.text()}
+# llama.cpp seeds are 32-bit and 0xFFFFFFFF means "pick one at random": a client's 64-bit
+# seed is reduced modulo this, so every seed samples repeatably.
+SEED_MODULUS = 0xFFFFFFFF
+MAX_TOP_LOGPROBS = 20  # chat (OpenAI's limit)
+MAX_LEGACY_LOGPROBS = 5  # /v1/completions (OpenAI's limit)
 
 
 class StreamOptions(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # accepted and ignored: nothing is obfuscated
 
 
-class _Sampling(BaseModel):
+class _Refusing(BaseModel):
+    """Declares OpenAI params that are refused whenever they carry a value (null is
+    absence). Subclasses name them with the reason and the fix."""
+
+    REFUSED: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def refuse(cls, name: str, value: Any) -> None:
+        if value is not None and name in cls.REFUSED:
+            raise ValueError(cls.REFUSED[name])
+
+
+class _Sampling(_Refusing):
     """What both text routes share."""
 
-    model_config = _STRICT
+    model_config = STRICT
     model: str | None = None  # None: the server's default model
     max_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    seed: int | None = None
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    seed: Seed | None = None
+    # How many and how long: max_stop, max_stop_chars (checked in server.limits).
+    stop: str | list[str] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, Bias] | None = None
     n: int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    keep_alive: KeepAlive | None = None
+    keep_alive: KeepAlive | None = None  # elbowroom's (Ollama's) own
     user: str | None = None  # accepted and ignored
 
     @field_validator("n")
@@ -87,6 +94,16 @@ class _Sampling(BaseModel):
             raise ValueError("model must not be empty")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key in v or {}:
+            if not key.isdigit():
+                raise ValueError(
+                    f"logit_bias keys are token ids as strings (e.g. '42'), not {key!r}"
+                )
+        return v
+
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
@@ -95,20 +112,119 @@ class _Sampling(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def token_ids(self) -> list[int]:
+        """The token ids ``logit_bias`` names (the route checks them against the vocabulary)."""
+        return [int(k) for k in self.logit_bias or {}]
+
     def sampling(self, max_tokens: int | None) -> dict[str, Any]:
-        """The engine payload's sampling keys (base.py); None lets the engine choose."""
+        """The engine payload's sampling keys (engines/llama.py); None lets the engine
+        choose."""
         return {
             "max_tokens": max_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
-            "seed": self.seed,
+            "seed": None if self.seed is None else self.seed % SEED_MODULUS,
             "stop": self.stop_list(),
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "logit_bias": self.logit_bias,
         }
 
 
 class ChatCompletionRequest(_Sampling):
+    REFUSED: ClassVar[dict[str, str]] = {
+        "functions": "functions (deprecated by OpenAI) is not supported: send tools",
+        "function_call": "function_call (deprecated by OpenAI) is not supported: send tool_choice",
+        "audio": "audio output is not supported: these models write text",
+        "prediction": "predicted outputs (prediction) are not supported",
+        "web_search_options": "web search is not supported",
+        "reasoning_effort": "reasoning_effort is not supported by these models",
+        "verbosity": "verbosity is not supported by these models",
+    }
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = None
+    tool_choice: Any = None  # parse_tool_choice: a mode or a NamedToolChoice
+    parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    modalities: list[str] | None = None  # ["text"] only
+    # Accepted and ignored (docs/api.md says why each is harmless).
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # Refused whenever set (REFUSED says why).
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+
+    @field_validator(*REFUSED)
+    @classmethod
+    def _refused(cls, v: Any, info: ValidationInfo) -> Any:
+        cls.refuse(str(info.field_name), v)
+        return v
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and v != ["text"]:
+            raise ValueError(f"modalities {v} is not supported: these models write ['text'] only")
+        return v
+
+    @field_validator("messages")
+    @classmethod
+    def _tool_results_answer_calls(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        called: set[str] = set()
+        for i, msg in enumerate(v):
+            called.update(call.id for call in msg.tool_calls or ())
+            if msg.role == "tool" and msg.tool_call_id not in called:
+                raise ValueError(
+                    f"messages[{i}] answers tool_call_id {msg.tool_call_id!r}, which no earlier "
+                    "assistant message's tool_calls has"
+                )
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_among_tools(cls, v: Any, info: ValidationInfo) -> Any:
+        choice = parse_tool_choice(v)
+        if "tools" not in info.data:  # tools itself failed: that error is the one to show
+            return choice
+        tools: list[Tool] = info.data["tools"] or []
+        if (isinstance(choice, NamedToolChoice) or choice == "required") and not tools:
+            raise ValueError(f"tool_choice {_show(choice)} needs tools")
+        if isinstance(choice, NamedToolChoice):
+            names = [t.function.name for t in tools]
+            if choice.function.name not in names:
+                raise ValueError(
+                    f"tool_choice names {choice.function.name!r}, which is not in tools "
+                    f"({', '.join(names)})"
+                )
+        return choice
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_names(cls, v: list[Tool] | None) -> list[Tool] | None:
+        names = [t.function.name for t in v or ()]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"tool names must be unique; repeated: {', '.join(dupes)}")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         """The value and the param that gave it: OpenAI's newer name wins when both are sent."""
@@ -116,11 +232,33 @@ class ChatCompletionRequest(_Sampling):
             return self.max_completion_tokens, "max_completion_tokens"
         return self.max_tokens, "max_tokens"
 
+    def top_count(self) -> int | None:
+        """Alternatives per token the client asked for; None: no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def sampling(self, max_tokens: int | None) -> dict[str, Any]:
+        out = super().sampling(max_tokens)
+        choice = self.tool_choice
+        out.update(
+            response_format=self.response_format.to_engine() if self.response_format else None,
+            tools=[t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None,
+            tool_choice=choice.model_dump() if isinstance(choice, NamedToolChoice) else choice,
+            parallel_tool_calls=self.parallel_tool_calls,
+            logprobs=True if self.logprobs else None,
+            # The engine sends no logprobs at all for top_logprobs 0: ask for one
+            # alternative and drop it in the response (shapes.Logprobs).
+            top_logprobs=max(1, self.top_logprobs or 0) if self.logprobs else None,
+        )
+        return out
+
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str]
     echo: bool | None = False
     suffix: str | None = None
+    best_of: int | None = None
+    # Legacy: the number of most likely alternatives per token, 0..5.
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LEGACY_LOGPROBS)] | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -146,8 +284,30 @@ class CompletionRequest(_Sampling):
             raise ValueError("suffix (insertion) is not supported")
         return v
 
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_one(cls, v: int | None) -> int | None:
+        if v is not None and v != 1:
+            raise ValueError(f"best_of={v} is not supported: elbowroom samples one completion")
+        return v
+
     def prompt_text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         return self.max_tokens, "max_tokens"
+
+    def top_count(self) -> int | None:
+        return self.logprobs
+
+    def sampling(self, max_tokens: int | None) -> dict[str, Any]:
+        out = super().sampling(max_tokens)
+        # As for chat: ask for at least one alternative, so the engine sends logprobs.
+        out["logprobs"] = None if self.logprobs is None else max(1, self.logprobs)
+        return out
+
+
+def _show(choice: Any) -> str:
+    if isinstance(choice, NamedToolChoice):
+        return f"{{'type': 'function', 'function': {{'name': {choice.function.name!r}}}}}"
+    return repr(choice)

@@ -12,15 +12,18 @@ to stop generating (the runner's request iterator cancels on close).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
-from starlette.responses import StreamingResponse
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from elbowroom.errors import ElbowroomError
@@ -32,6 +35,43 @@ DONE = b"data: [DONE]\n\n"
 
 def sse(data: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its non-streamed answer was ready."""
+
+
+async def _disconnected(request: Request) -> None:
+    # The body has been read, so the next ASGI message is the disconnect (it never comes
+    # while the client waits).
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_client_leaves(request: Request, work: Awaitable[Any]) -> Any:
+    """Await ``work`` (collecting a non-streamed answer); if the client disconnects first,
+    cancel it and raise ClientGone. A non-streamed generation is cancelled like a stream's:
+    closing the runner's iterator (in ``Generation.release``) stops the engine."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    raise ClientGone
+
+
+def gone_response() -> Response:
+    """What a handler returns for a client that left: nobody reads it (nginx's 499)."""
+    return Response(status_code=499)
 
 
 @dataclass(slots=True)

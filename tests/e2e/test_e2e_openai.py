@@ -260,3 +260,18 @@ def test_four_clients_are_served_at_once_in_four_slots(server: ServerProcess) ->
     assert max(firsts.values()) < min(ends.values())
     (row,) = [r for r in server.ps() if r["id"] == MODEL]
     assert row["slots"] == 4 and row["waiting"] == 0
+
+
+def test_client_disconnect_before_a_non_streamed_answer_cancels_it(server: ServerProcess) -> None:
+    body = {"model": MODEL, "prompt": "1, 2, 3, 4, 5,", "max_tokens": 900, "temperature": 0}
+    with server.http() as http, pytest.raises(httpx.ReadTimeout):
+        # The client gives up long before 900 tokens and closes the connection.
+        http.post("/v1/completions", json=body, timeout=httpx.Timeout(10.0, read=1.5))
+    wait_for(
+        lambda: "client went away before its answer" in server.log(),
+        timeout=30,
+        what="the cancel log",
+    )
+    wait_for(lambda: all(m["busy"] == 0 for m in server.ps()), timeout=30, what="idle runner")
+    ok = server.openai().completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert ok.usage is not None and ok.usage.completion_tokens == 2

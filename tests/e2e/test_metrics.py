@@ -134,7 +134,7 @@ def test_request_counters_move_with_requests(server: ServerProcess) -> None:
             "elbowroom_requests",
             "elbowroom_requests_total",
             endpoint="chat",
-            model="-",
+            model="unknown",  # labels are catalog ids: any other name is "unknown"
             status="404",
         )
         == 1

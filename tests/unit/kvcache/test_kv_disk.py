@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -69,13 +70,15 @@ def test_truncated_after_scan_is_removed_at_read(tmp_path: Path) -> None:
     assert not path.exists()
 
 
-def test_garbage_and_wrong_key_files_are_removed(tmp_path: Path) -> None:
-    (tmp_path / f"{PREFIX}-junk.kv").write_bytes(b"not a kv file at all" * 10)
+def test_wrong_key_files_are_removed_and_files_not_ours_left_alone(tmp_path: Path) -> None:
+    junk = tmp_path / f"{PREFIX}-junk.kv"
+    junk.write_bytes(b"not a kv file at all" * 10)
     (tmp_path / f"{PREFIX}-empty.kv").write_bytes(b"")
     other = DiskTier(tmp_path, 10_000_000, '{"model": "other"}', PREFIX)  # same prefix, by force
     other.write("e2", TOKENS, b"x" * 100)
     assert tier(tmp_path).scan() == []
-    assert list(tmp_path.iterdir()) == []
+    # Only files with our magic are ever deleted: the others are not indexed, not removed.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{PREFIX}-empty.kv", junk.name]
 
 
 def test_other_keys_files_are_left_alone(tmp_path: Path) -> None:
@@ -117,13 +120,20 @@ def test_entry_bigger_than_cap_is_not_written(tmp_path: Path) -> None:
 
 
 def test_stale_temp_files_of_dead_writers_are_removed(tmp_path: Path) -> None:
+    from elbowroom.kvcache.fileformat import MAGIC
+
     dead = tmp_path / f"{PREFIX}-e1.kv.999999.tmp"
+    dead_empty = tmp_path / f"{PREFIX}-e3.kv.999998.tmp"
+    not_ours = tmp_path / f"{PREFIX}-e4.kv.999997.tmp"
     live = tmp_path / f"{PREFIX}-e2.kv.1234.tmp"
-    dead.write_bytes(b"partial")
-    live.write_bytes(b"partial")
+    dead.write_bytes(MAGIC + b"partial")
+    dead_empty.write_bytes(b"")  # the writer died before its first byte
+    not_ours.write_bytes(b"someone else's")
+    live.write_bytes(MAGIC + b"partial")
     t = DiskTier(tmp_path, 10_000, KEY, PREFIX, pid_alive=lambda pid: pid == 1234)
     t.scan()
-    assert not dead.exists() and live.exists()
+    assert not dead.exists() and not dead_empty.exists()
+    assert live.exists() and not_ours.exists()
 
 
 @pytest.fixture
@@ -160,3 +170,82 @@ def test_unusable_directory_turns_the_tier_off(tmp_path: Path) -> None:
     t = DiskTier(blocker / "kv", 10_000, KEY, PREFIX)  # a file where a folder should be
     assert not t.enabled and t.scan() == []
     assert not t.write("e1", TOKENS, b"x" * 10).written
+
+
+# --- hardening (docs/security.md) --------------------------------------------------------
+
+
+def test_directory_0700_and_files_0600(tmp_path: Path) -> None:
+    d = tmp_path / "kv"
+    t = tier(d)
+    t.write("e1", TOKENS, b"x" * 100)
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    assert stat.S_IMODE(only_file(d).stat().st_mode) == 0o600
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o777)
+    os.chmod(loose, 0o777)
+    assert tier(loose).enabled
+    assert stat.S_IMODE(loose.stat().st_mode) == 0o700  # ours, so tightened
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a folder to another user")
+def test_another_user_s_directory_turns_the_tier_off(tmp_path: Path) -> None:
+    d = tmp_path / "theirs"
+    d.mkdir()
+    os.chown(d, 54321, -1)
+    t = DiskTier(d, 10_000, KEY, PREFIX)
+    assert not t.enabled
+    assert not t.write("e1", TOKENS, b"x").written and list(d.iterdir()) == []
+
+
+def test_a_planted_temp_symlink_is_not_followed(tmp_path: Path) -> None:
+    d = tmp_path / "kv"
+    t = tier(d)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    (d / f"{PREFIX}-e1.kv.{os.getpid()}.tmp").symlink_to(victim)
+    assert not t.write("e1", TOKENS, b"x" * 100).written
+    assert victim.read_bytes() == b"precious"
+
+
+def test_a_planted_entry_symlink_or_fifo_is_neither_read_nor_hung_on(tmp_path: Path) -> None:
+    d = tmp_path / "kv"
+    tier(d)
+    target = tmp_path / "target.kv"
+    tier(tmp_path / "elsewhere").write("x", TOKENS, b"y" * 10)
+    target.write_bytes(only_file(tmp_path / "elsewhere").read_bytes())
+    (d / f"{PREFIX}-link.kv").symlink_to(target)
+    os.mkfifo(d / f"{PREFIX}-fifo.kv")
+    assert tier(d).scan() == []  # returns at once: the FIFO is opened non-blocking
+    assert target.exists()
+
+
+def test_eviction_leaves_files_that_are_not_ours(tmp_path: Path) -> None:
+    stranger = tmp_path / "zzzz-stranger.kv"
+    stranger.write_bytes(b"\0" * 5000)
+    os.utime(stranger, (1, 1))  # the oldest file in the directory
+    t = tier(tmp_path, cap=3000)
+    assert t.write("a", TOKENS, bytes(1000)).written
+    assert t.write("b", TOKENS, bytes(1000)).written
+    assert stranger.exists()
+
+
+def test_a_payload_length_over_the_cap_is_corrupt(tmp_path: Path) -> None:
+    """A header with a valid checksum that claims a huge payload: refused before any
+    allocation of that size (the file itself is small)."""
+    import struct
+    import zlib
+
+    from elbowroom.kvcache.fileformat import _FIXED, FIXED_SIZE, MAGIC, VERSION
+
+    t = tier(tmp_path, cap=100_000)
+    t.write("e1", TOKENS, bytes(1000))
+    path = only_file(tmp_path)
+    data = path.read_bytes()
+    key_len, n_tokens = len(KEY.encode()), len(TOKENS)
+    fixed = _FIXED.pack(MAGIC, VERSION, 0, key_len, n_tokens, 1 << 50, 0, 0)[:32]
+    rest = data[FIXED_SIZE : FIXED_SIZE + key_len + 4 * n_tokens]
+    crc = zlib.crc32(rest[key_len:], zlib.crc32(rest[:key_len], zlib.crc32(fixed)))
+    path.write_bytes(fixed + struct.pack("<I", crc) + rest + bytes(1000))
+    assert t.read("e1") is None  # refused before allocating 1 PiB
+    assert not path.exists()

@@ -189,3 +189,14 @@ def test_plan_rejects_a_bad_kv_type(data_dir: Path, capsys: pytest.CaptureFixtur
         main(["plan", "smollm2-135m", "--kv-type", "f32"])
     assert exc.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_plan_and_ls_use_the_models_own_slots(
+    data_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ELBOWROOM_MODEL_SLOTS", "smollm2-135m=2")
+    code, data = run_json(capsys, "plan", "smollm2-135m", "--override-memory", "8GiB")
+    assert code == 0 and data["footprint"]["slots"] == 2
+    code, listed = run_json(capsys, "ls", "--override-memory", "8GiB")
+    smol = next(m for m in listed["models"] if m["id"] == "smollm2-135m")
+    assert smol["footprint"]["slots"] == 2

@@ -148,7 +148,7 @@ def test_closing_the_stream_early_cancels_the_work(
     continued = {"prompt": COUNTING["prompt"] + full["text"], "temperature": 0, "max_tokens": 1}
     *_, control = run(collect(sup.request("completion", continued)))
     n_prompt = full["usage"]["prompt_tokens"]
-    assert control["usage"]["cached_tokens"] > n_prompt + 100
+    assert control["usage"]["cached_tokens"] >= n_prompt + 64  # in whole 64-token blocks
 
     async def take_two_then_leave() -> None:
         stream = sup.request("completion", {**COUNTING, "max_tokens": 120})

@@ -19,7 +19,11 @@ def make_harness() -> Iterator[Callable[..., Harness]]:
 
     def make(**settings_changes: Any) -> Harness:
         svc, scheduler = services(Settings(**settings_changes))
-        client = TestClient(create_app(svc.settings, services=svc), raise_server_exceptions=False)
+        client = TestClient(
+            create_app(svc.settings, services=svc),
+            base_url="http://localhost",
+            raise_server_exceptions=False,
+        )
         clients.append(client)
         return Harness(client, scheduler)
 

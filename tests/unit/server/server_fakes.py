@@ -17,8 +17,24 @@ from typing import Any
 
 from elbowroom.config import Settings
 from elbowroom.errors import ElbowroomError, ModelNotFound
-from elbowroom.models.spec import Holding, ModelKind, ModelSpec
+from elbowroom.models.spec import GGUFInfo, Holding, ModelKind, ModelSpec
 from elbowroom.server.deps import Services
+
+# Enough GGUF facts for the routes' checks (logit_bias ids against the vocabulary).
+SMOL_GGUF = GGUFInfo(
+    architecture="llama",
+    name="SmolLM2 135M",
+    n_layers=30,
+    n_heads=9,
+    n_kv_heads=3,
+    head_dim_k=64,
+    head_dim_v=64,
+    n_embd=576,
+    trained_ctx=8192,
+    file_type="Q4_1",
+    has_chat_template=True,
+    n_vocab=49152,
+)
 
 
 def spec(model_id: str, kind: ModelKind = ModelKind.LLM, engine: str = "llama") -> ModelSpec:
@@ -30,6 +46,7 @@ def spec(model_id: str, kind: ModelKind = ModelKind.LLM, engine: str = "llama") 
         size_bytes=1000,
         holding=Holding.MMAP if kind == ModelKind.LLM else Holding.RESIDENT,
         source="bundled",
+        gguf=SMOL_GGUF if kind == ModelKind.LLM else None,
     )
 
 
@@ -56,6 +73,8 @@ class Script:
     error_after: int | None = None
     error: BaseException | None = None
     hang_after_first: bool = False  # wait forever after the first piece (until cancelled)
+    deltas: tuple[dict[str, Any], ...] = ()  # more deltas after the pieces (tool calls, ...)
+    done_extra: dict[str, Any] = field(default_factory=dict)  # merged into the result
     usage: dict[str, int] = field(
         default_factory=lambda: {"prompt_tokens": 7, "completion_tokens": 3, "cached_tokens": 2}
     )
@@ -81,11 +100,14 @@ class FakeRunner:
                     await asyncio.Event().wait()
             if script.error_after == len(script.pieces) and script.error is not None:
                 raise script.error
+            for delta in script.deltas:
+                yield {"type": "delta", **delta}
             yield {
                 "type": "done",
                 "text": "".join(script.pieces),
                 "finish_reason": script.finish_reason,
                 "usage": script.usage,
+                **script.done_extra,
             }
         finally:
             s.closed += 1
@@ -147,6 +169,8 @@ class FakeSample:
 
 
 class FakeMonitor:
+    latest = None  # no sample yet
+
     def history(self) -> list[FakeSample]:
         return [FakeSample(5)]
 

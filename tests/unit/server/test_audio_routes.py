@@ -90,7 +90,7 @@ def app_parts() -> Iterator[tuple[TestClient, Scheduler]]:
     )
     settings = Settings(max_upload=1000, max_speech_chars=20)
     services = Services(settings=settings, catalog=catalog, scheduler=scheduler)
-    with TestClient(create_app(settings, services=services)) as client:
+    with TestClient(create_app(settings, services=services), base_url="http://localhost") as client:
         yield client, scheduler
 
 

@@ -66,7 +66,7 @@ def parts() -> Iterator[tuple[TestClient, Scheduler]]:
     scheduler = Scheduler()
     settings = Settings(max_embedding_inputs=2)
     services = Services(settings=settings, catalog=Catalog(), scheduler=scheduler)
-    with TestClient(create_app(settings, services=services)) as client:
+    with TestClient(create_app(settings, services=services), base_url="http://localhost") as client:
         yield client, scheduler
 
 

@@ -44,7 +44,7 @@ def test_disconnect_mid_stream_closes_the_runner_request() -> None:
         "raw_path": b"/v1/chat/completions",
         "root_path": "",
         "query_string": b"",
-        "headers": [(b"content-type", b"application/json"), (b"host", b"t")],
+        "headers": [(b"content-type", b"application/json"), (b"host", b"localhost")],
         "client": ("127.0.0.1", 1),
         "server": ("127.0.0.1", 80),
     }

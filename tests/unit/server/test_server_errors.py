@@ -36,8 +36,8 @@ def assert_openai_error(r: Any, status: int, param: str | None = None) -> dict[s
         (chat(messages=[{"role": "user", "content": 5}]), "messages[0].content", ""),
         (
             chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
-            "messages[0].content[0].type",
-            "image_url",
+            "messages[0].content[0]",
+            "needs the field 'image_url'",
         ),
         (chat(n=2), "n", "n=1"),
         (chat(max_tokens=-5), "max_tokens", "greater than or equal to 1"),

@@ -20,7 +20,7 @@ from elbowroom.errors import (
 
 def client_for(h: Harness) -> openai.OpenAI:
     return openai.OpenAI(
-        base_url="http://testserver/v1", api_key="unused", http_client=h.client, max_retries=0
+        base_url="http://localhost/v1", api_key="unused", http_client=h.client, max_retries=0
     )
 
 
@@ -132,6 +132,10 @@ def test_completions_both_ways(harness: Harness) -> None:
             "top_p": None,
             "seed": None,
             "stop": [],
+            "presence_penalty": None,
+            "frequency_penalty": None,
+            "logit_bias": None,
+            "logprobs": None,
         },
     )
     harness.scheduler.script.finish_reason = "length"

@@ -1,0 +1,556 @@
+"""GPU evidence (issue 10), run where an NVIDIA GPU is: predicted vs measured VRAM, decode
+speed through elbowroom vs the engine in-process, a capped GPU pool under alternating
+requests, a forced offload refused with 507, and (two GPUs) a split measured per GPU.
+
+    python benchmarks/gpu_bench.py synth  DIR [--tiny]        # random-weight models
+    python benchmarks/gpu_bench.py vram   OUT MODEL... [--ctx 2048 8192] [--slots 1 8]
+    python benchmarks/gpu_bench.py speed  OUT MODEL [--rounds 5] [--tokens 128]
+    python benchmarks/gpu_bench.py capped OUT --cap 16GiB MODEL...
+    python benchmarks/gpu_bench.py refuse OUT --cap 16GiB MODEL
+    python benchmarks/gpu_bench.py split  OUT MODEL --free GIB,GIB --ctx 2048 --slots 4
+
+Each phase appends JSON lines to OUT/<phase>.jsonl. VRAM is NVML's device memory in use
+per GPU, read with the server idle (no runner) and after a model's load through the server
+plus one short generation (the CUDA runtime grows at the first generation); elbowroom's
+prediction is the placement's per-pool bytes that /api/ps reports for that load. benchmarks/results/
+gpu.md has the runs and their commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+TOKENIZER = os.environ.get("GPU_BENCH_TOKENIZER", str(HERE / "smollm2-tokenizer.gguf"))
+PROMPT = "Once upon a time, in a city by the sea, "
+
+
+def emit(out: Path, phase: str, row: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / f"{phase}.jsonl").open("a") as fh:
+        fh.write(json.dumps(row) + "\n")
+    print(phase.upper(), json.dumps(row), flush=True)
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+# ------------------------------------------------------------------------- NVML
+
+
+def nvml_used() -> list[int]:
+    """Device memory in use per GPU; [] without NVML (a CPU smoke run)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        n = pynvml.nvmlDeviceGetCount()
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(n)]
+        return [int(pynvml.nvmlDeviceGetMemoryInfo(h).used) for h in handles]
+    except Exception:
+        return []
+
+
+def nvml_record() -> dict[str, Any]:
+    """Every GPU's memory and compute processes (a fixture for the pool tests)."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    devs = []
+    for i in range(pynvml.nvmlDeviceGetCount()):
+        h = pynvml.nvmlDeviceGetHandleByIndex(i)
+        m = pynvml.nvmlDeviceGetMemoryInfo(h)
+        name = pynvml.nvmlDeviceGetName(h)
+        procs = [
+            {"pid": int(p.pid), "usedGpuMemory": p.usedGpuMemory}
+            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)
+        ]
+        devs.append(
+            {
+                "index": i,
+                "name": name.decode() if isinstance(name, bytes) else name,
+                "total": int(m.total),
+                "free": int(m.free),
+                "used": int(m.used),
+                "compute_processes": procs,
+            }
+        )
+    return {"driver": str(pynvml.nvmlSystemGetDriverVersion()), "devices": devs}
+
+
+class Sampler:
+    """NVML device used, sampled every 20 ms in a thread: the peak while a phase runs."""
+
+    def __init__(self) -> None:
+        self.peak: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            used = nvml_used()
+            self.peak = [max(a, b) for a, b in zip(self.peak, used, strict=False)] or used
+            self._stop.wait(0.02)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+# ------------------------------------------------------------------------- synth
+
+
+def synth(out_dir: Path, tiny: bool) -> list[Path]:
+    from gpu_synth import SHAPES, TINY, write
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, (arch, layers, embd, heads, kv, ffn, tied) in (TINY if tiny else SHAPES).items():
+        path = out_dir / f"{name}.gguf"
+        if not path.exists():
+            t = time.time()
+            write(str(path), arch, layers, embd, heads, kv, ffn, TOKENIZER, tied)
+            print(f"wrote {path} ({gib(path.stat().st_size)} GiB) in {time.time() - t:.1f} s")
+        paths.append(path)
+    return paths
+
+
+# ------------------------------------------------------------------------- vram
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """``python -m elbowroom serve`` in a subprocess, its log in a file."""
+
+    def __init__(self, models: list[Path], log: Path, env: dict[str, str], *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.data = tempfile.mkdtemp(prefix="elbowroom-gpu-")
+        cmd = [sys.executable, "-m", "elbowroom", "serve", "--port", str(self.port), *args]
+        for m in models:
+            cmd += ["--model", str(m)]
+        full_env = {**os.environ, "ELBOWROOM_DATA_DIR": self.data, **env}
+        self.log = log
+        self._fh = log.open("w")
+        # cwd: not the checkout, whose ./elbowroom would shadow the one on PYTHONPATH.
+        # cwd: not the checkout, whose ./elbowroom would shadow the one on PYTHONPATH.
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self._fh,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            start_new_session=True,
+            cwd=self.data,
+        )
+        import httpx
+
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        raise RuntimeError(f"server did not start: {log.read_text()[-3000:]}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self._fh.close()
+
+
+def settled(idle: list[int], slack: int = 64 * 2**20, timeout: float = 15) -> list[int]:
+    """NVML's reading once every GPU is back near ``idle`` (an unloaded runner's VRAM is
+    handed back when its process ends)."""
+    deadline = time.time() + timeout
+    while True:
+        used = nvml_used()
+        if all(u <= i + slack for u, i in zip(used, idle, strict=False)) or time.time() > deadline:
+            return used
+        time.sleep(0.05)
+
+
+def measure_load(server: Server, model: str, idle: list[int]) -> dict[str, Any]:
+    """Load ``model`` through the server with one short generation; its placement's
+    predicted bytes per GPU pool beside NVML's device memory in use before and after."""
+    import httpx
+
+    before = settled(idle)
+    t = time.time()
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": model, "prompt": PROMPT * 20, "max_tokens": 16, "temperature": 0},
+        timeout=300,
+    )
+    seconds = time.time() - t
+    after = nvml_used()
+    row = next((x for x in ps_rows(server.url) if x["id"] == model), {})
+    placement = row.get("placement") or {}
+    predicted = placement.get("gpu_bytes", {})
+    measured = {f"gpu{i}": a - b for i, (a, b) in enumerate(zip(after, before, strict=False))}
+    httpx.post(f"{server.url}/api/models/{model}/unload", timeout=60)
+    return {
+        "model": model,
+        "status": r.status_code,
+        "ctx": row.get("n_ctx"),
+        "slots": row.get("slots"),
+        "processor": row.get("processor"),
+        "n_gpu_layers": placement.get("n_gpu_layers"),
+        "layers_per_device": placement.get("layers_per_device"),
+        "predicted_gpu": predicted,
+        "measured_gpu": measured,
+        "nvml_runner": row.get("gpu"),
+        "predicted_host": row.get("predicted"),
+        "measured_host": (row.get("anonymous") or 0) + (row.get("file_backed") or 0),
+        "error_pct": {
+            pool: round(100 * (b - measured[pool]) / measured[pool], 2)
+            for pool, b in predicted.items()
+            if measured.get(pool)
+        },
+        "seconds": round(seconds, 2),
+    }
+
+
+def vram(out: Path, models: list[Path], ctxs: list[int], slots_list: list[int]) -> None:
+    """One server per (context, slots); each model loaded, measured, unloaded in turn."""
+    idle = nvml_used()
+    for ctx in ctxs:
+        for slots in slots_list:
+            log = out / f"vram_{ctx}x{slots}.log"
+            server = Server(models, log, {}, "--ctx", str(ctx), "--slots", str(slots))
+            try:
+                for path in models:
+                    emit(out, "vram", measure_load(server, path.stem, idle))
+            finally:
+                server.close()
+    # A CPU placement keeps off the GPU entirely: the runner is shown no GPU.
+    env = {"ELBOWROOM_GPU_LAYERS": "0"}
+    server = Server(models[:1], out / "vram_cpu.log", env, "--ctx", "2048")
+    try:
+        emit(out, "vram", measure_load(server, models[0].stem, idle))
+    finally:
+        server.close()
+
+
+# ------------------------------------------------------------------------- speed
+
+
+def engine_params(path: Path, ctx: int, slots: int) -> Any:
+    """The engine in-process, configured as elbowroom configures its runner."""
+    import xllamacpp as xlc
+
+    p = xlc.CommonParams()
+    p.model.path = str(path)
+    p.n_ctx = ctx * slots
+    p.n_parallel = slots
+    p.kv_unified = False
+    p.n_batch = p.n_ubatch = 512
+    p.flash_attn_type = xlc.llama_flash_attn_type.LLAMA_FLASH_ATTN_TYPE_AUTO
+    p.n_gpu_layers = 999
+    p.fit_params = False
+    p.cache_ram_mib = 512
+    p.ctx_shift = False
+    return xlc.Server(p)
+
+
+def body(i: int, tokens: int, model: str | None = None) -> dict[str, Any]:
+    b: dict[str, Any] = {
+        "prompt": f"Story {i}: {PROMPT}",
+        "max_tokens": tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if model is not None:
+        b["model"] = model
+    return b
+
+
+def usage_tokens(chunks: list[Any]) -> int:
+    """completion_tokens from the stream's usage chunk (the binding hands dicts or JSON)."""
+    for raw in reversed(chunks):
+        try:
+            usage = (raw if isinstance(raw, dict) else json.loads(raw)).get("usage")
+        except ValueError:
+            continue
+        if usage:
+            return int(usage["completion_tokens"])
+    raise RuntimeError(f"no usage in the stream: {chunks[-2:]}")
+
+
+def in_process(srv: Any, i: int, tokens: int) -> int:
+    chunks: list[Any] = []
+    srv.handle_completions(body(i, tokens), lambda ch: chunks.append(ch) or False)
+    return usage_tokens(chunks)
+
+
+def through_server(url: str, model: str, i: int, tokens: int) -> int:
+    import httpx
+
+    chunks = []
+    with httpx.stream(
+        "POST", url + "/v1/completions", json=body(i, tokens, model), timeout=120
+    ) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(line[6:])
+    return usage_tokens(chunks)
+
+
+def aggregate(fn: Any, streams: int, tokens: int) -> float:
+    counts = [0] * streams
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            counts[i] = fn(i, tokens)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+    return sum(counts) / (time.perf_counter() - t)
+
+
+def speed(out: Path, path: Path, rounds: int, tokens: int, ctx: int = 2048, slots: int = 8) -> None:
+    server = Server(
+        [path], out / f"speed_{path.stem}.log", {}, "--slots", str(slots), "--ctx", str(ctx)
+    )
+    try:
+        import httpx
+
+        model = path.stem
+        httpx.post(f"{server.url}/api/models/{model}/load", timeout=120).raise_for_status()
+        ps = ps_rows(server.url)
+        srv = engine_params(path, ctx, slots)
+
+        def engine(i: int, n: int) -> int:
+            return in_process(srv, i, n)
+
+        def elbowroom(i: int, n: int) -> int:
+            return through_server(server.url, model, i, n)
+
+        runs: dict[str, list[float]] = {}
+        for streams in (1, 8):
+            aggregate(engine, streams, 16)  # warm-up
+            aggregate(elbowroom, streams, 16)
+            for _ in range(rounds):  # interleaved: drift hits both the same
+                for name, fn in (("engine", engine), ("elbowroom", elbowroom)):
+                    runs.setdefault(f"{name}_{streams}", []).append(aggregate(fn, streams, tokens))
+        row: dict[str, Any] = {
+            "model": model,
+            "tokens": tokens,
+            "rounds": rounds,
+            "ctx": ctx,
+            "slots": slots,
+            "placement": ps[0].get("processor") if ps else None,
+            "load_avg": os.getloadavg(),
+        }
+        for key, vals in runs.items():
+            row[key] = [round(v, 1) for v in vals]
+        for streams in (1, 8):
+            e, s = runs[f"engine_{streams}"], runs[f"elbowroom_{streams}"]
+            row[f"ratio_{streams}"] = round(statistics.median(s) / statistics.median(e), 3)
+        emit(out, "speed", row)
+    finally:
+        server.close()
+
+
+# ------------------------------------------------------------------------- capped pool
+
+
+def ps_rows(url: str) -> list[dict[str, Any]]:
+    import httpx
+
+    data = httpx.get(url + "/api/ps", timeout=10).json()
+    rows: list[dict[str, Any]] = data if isinstance(data, list) else data.get("models", [])
+    return rows
+
+
+def capped(out: Path, models: list[Path], cap: str, order: list[str]) -> None:
+    import httpx
+
+    log = out / "capped_server.log"
+    base = sum(nvml_used())
+    with Sampler() as sampler:
+        server = Server(models, log, {"ELBOWROOM_OVERRIDE_GPU_MEMORY": cap}, "--slots", "4")
+        try:
+            for step, name in enumerate(order):
+                t = time.time()
+                r = httpx.post(
+                    server.url + "/v1/completions",
+                    timeout=300,
+                    json={"model": name, "prompt": PROMPT, "max_tokens": 16, "temperature": 0},
+                )
+                rows = ps_rows(server.url)
+                emit(
+                    out,
+                    "capped",
+                    {
+                        "step": step,
+                        "model": name,
+                        "status": r.status_code,
+                        "seconds": round(time.time() - t, 2),
+                        "loaded": {x["id"]: x.get("processor") for x in rows},
+                        "n_gpu_layers": {
+                            x["id"]: (x.get("placement") or {}).get("n_gpu_layers") for x in rows
+                        },
+                        "ours_gpu": sum(x.get("gpu", 0) for x in rows),
+                        "device_used_over_idle": sum(nvml_used()) - base,
+                        "error": None if r.status_code == 200 else r.text[:500],
+                    },
+                )
+            memory = httpx.get(server.url + "/api/memory", timeout=10).json()
+        finally:
+            server.close()
+    text = log.read_text()
+    ooms = sum(text.lower().count(s) for s in ("out of memory", "cudamalloc failed", "cuda error"))
+    pools = [p for p in memory.get("pools", []) if p["kind"] == "gpu"]
+    emit(
+        out,
+        "capped",
+        {
+            "summary": True,
+            "cap": cap,
+            "requests": len(order),
+            "peak_device_used_over_idle": sum(sampler.peak) - base,
+            "cuda_oom_lines": ooms,
+            "gpu_pools": pools,
+        },
+    )
+
+
+def refuse(out: Path, path: Path, small: Path, cap: str) -> None:
+    import httpx
+
+    env = {"ELBOWROOM_OVERRIDE_GPU_MEMORY": cap, "ELBOWROOM_GPU_LAYERS": "-1"}
+    server = Server([path, small], out / "refuse_server.log", env, "--slots", "4")
+    try:
+        for p in (small, path):
+            r = httpx.post(
+                server.url + "/v1/completions",
+                timeout=300,
+                json={"model": p.stem, "prompt": PROMPT, "max_tokens": 8},
+            )
+            emit(out, "refuse", {"model": p.stem, "status": r.status_code, "body": r.json()})
+    finally:
+        server.close()
+
+
+# ------------------------------------------------------------------------- two GPUs
+
+
+def split(out: Path, path: Path, free_gib: list[float], ctx: int, slots: int) -> None:
+    """Other processes take each GPU down to about ``free_gib`` GiB free (unequal free
+    memory); elbowroom places the model over both in proportion to what is free, and
+    NVML measures each GPU."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    hogs = []
+    # torch's allocator takes the bytes with cudaMalloc; its CUDA context (~0.5 GiB) too.
+    code = (
+        "import sys, time, torch; i, n = int(sys.argv[1]), float(sys.argv[2]); "
+        "x = torch.empty(int(n * 2**30), dtype=torch.uint8, device=f'cuda:{i}'); "
+        "print('ready', flush=True); time.sleep(3600)"
+    )
+    try:
+        for i, target in enumerate(free_gib):
+            free = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).free
+            hog = max(0.0, free / 2**30 - target - 0.5)
+            p = subprocess.Popen(
+                [sys.executable, "-c", code, str(i), str(hog)],
+                stdout=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+            hogs.append(p)
+        emit(out, "split", {"nvml": nvml_record(), "target_free_gib": free_gib})
+        idle = nvml_used()
+        args = ("--ctx", str(ctx), "--slots", str(slots))
+        server = Server([path], out / "split_server.log", {}, *args)
+        try:
+            emit(out, "split", measure_load(server, path.stem, idle))
+        finally:
+            server.close()
+    finally:
+        for p in hogs:
+            os.killpg(p.pid, signal.SIGKILL)
+
+
+# ------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("phase")
+    ap.add_argument("rest", nargs="*")
+    ap.add_argument("--ctx", type=int, nargs="+", default=[2048, 8192])
+    ap.add_argument("--slots", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--cap", default="16GiB")
+    ap.add_argument("--order", default="")
+    ap.add_argument("--free", default="6,7")
+    ap.add_argument("--tiny", action="store_true")
+    a = ap.parse_args()
+    if a.phase == "synth":
+        synth(Path(a.rest[0]), a.tiny)
+        return
+    out, models = Path(a.rest[0]), [Path(m) for m in a.rest[1:]]
+    out.mkdir(parents=True, exist_ok=True)
+    if a.phase == "vram":
+        vram(out, models, a.ctx, a.slots)
+    elif a.phase == "speed":
+        speed(out, models[0], a.rounds, a.tokens)
+    elif a.phase == "capped":
+        order = a.order.split(",") if a.order else [m.stem for m in models] * 2
+        capped(out, models, a.cap, order)
+    elif a.phase == "refuse":
+        refuse(out, models[0], models[1], a.cap)
+    elif a.phase == "split":
+        split(out, models[0], [float(x) for x in a.free.split(",")], a.ctx[0], a.slots[0])
+    else:
+        raise SystemExit(f"unknown phase {a.phase}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    main()

@@ -1,0 +1,199 @@
+"""PURE: what a GGUF model holds on each GPU and in host RAM for a given layer split (CUDA).
+
+llama.cpp counts ``n_layers + 1`` offloadable units: the repeating blocks and the output
+layer. ``n_gpu_layers = k`` puts the output layer and the last ``k - 1`` blocks on the GPUs
+(the input layer, the token embeddings, always stays on the CPU); with several GPUs the
+units are cut into consecutive runs, the first run on the first device. Each block's KV
+cache lives with the block. Per GPU in use:
+
+    gpu bytes = weights of its units + KV of its blocks × context tokens
+                + CUDA_DEVICE_BASE + activations + mask (+ logits on the output's device)
+                (+ one FFN matrix when blocks stay on the CPU: op offload copies it over)
+                (+ SPLIT_FIRST_EXTRA on the first GPU of a split over several)
+    activations = 16 × ubatch × (n_ff + n_embd)     mask = 2 × ubatch × n_ctx per slot
+    logits      = 4 × ubatch × n_vocab
+
+Fitted on an H200 (CUDA 13.0, xllamacpp 2026.10.11549 built for sm_90, flash attention on,
+n_batch = n_ubatch = 512) with NVML's device memory before and after a load plus one short
+generation, over two architectures (llama 1.1 B and qwen2 0.5 B), contexts 2,048 and 8,192
+per slot and 1 or 8 slots: the residual after weights and KV was linear in the context per
+slot (not in slots: each slot attends only to its own cells) with the terms above, within
+0.5 MB. Checked through elbowroom's server on two more models (qwen2 3 B, llama 8 B): all
+16 loads within 0.3 %. ``benchmarks/results/gpu.md`` has the numbers.
+
+Host bytes with a CUDA build: the weights left on the CPU are file-backed (mmap), the CUDA
+libraries add ``CUDA_RUNTIME_FILE``, and the runtime's host allocations
+``CUDA_HOST_ANON`` come on top of the CPU estimate's overhead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from elbowroom.models.estimate import (
+    DEFAULT_VOCAB,
+    LLAMA_FIXED_ANON,
+    LLAMA_PER_VOCAB,
+    LLAMA_RUNTIME_ANON,
+    LLAMA_RUNTIME_FILE,
+    LOGIT_BYTES,
+    check_kv_type,
+)
+from elbowroom.models.spec import GGUFInfo
+from elbowroom.units import MiB
+
+# The engine's micro-batch (engines.llama.N_BATCH; a test keeps them equal).
+UBATCH = 512
+# Per GPU in use: CUDA context, cuBLAS workspace and handles, CUDA graphs (591 MiB fitted;
+# ~104 MiB of it appears only at the first generation, so it is measured after one).
+CUDA_DEVICE_BASE = 591 * MiB
+ACTIVATION_BYTES = 16  # × ubatch × (n_ff + n_embd)
+MASK_BYTES = 2  # f16 KQ mask: × ubatch × context per slot
+# Host side of a CUDA runner: the CUDA libraries' mapped pages and their host allocations.
+CUDA_RUNTIME_FILE = 216 * MiB
+CUDA_HOST_ANON = 240 * MiB
+# Compute buffers per GPU of a split. llama.cpp can keep up to 4 copies for pipeline
+# parallelism; splits measured on two H200s showed one (benchmarks/results/gpu.md).
+PIPELINE_COPIES = 1
+# The first GPU of a split held 148-195 MB more than its layers and buffers in the three
+# splits measured on two H200s (llama 1.1 B, qwen2 3 B, llama 8 B); fitted, not explained.
+SPLIT_FIRST_EXTRA = 160 * MiB
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """The per-unit sizes offload needs, from a GGUF's metadata and tensor list."""
+
+    n_layers: int
+    block_bytes: tuple[int, ...]
+    input_bytes: int
+    output_bytes: int
+    kv_elements: tuple[int, ...]  # KV elements per context token, per block
+    n_vocab: int
+    n_embd: int
+    n_ff: int
+
+    @classmethod
+    def from_info(cls, info: GGUFInfo) -> Layout:
+        if info.layer_bytes is None:
+            raise ValueError(f"{info.name}: the GGUF lists no tensors; cannot place layers")
+        heads = info.kv_heads_per_layer or (info.n_kv_heads,) * info.n_layers
+        per_block = tuple(h * (info.head_dim_k + info.head_dim_v) for h in heads)
+        return cls(
+            n_layers=info.n_layers,
+            block_bytes=info.layer_bytes,
+            input_bytes=info.input_bytes,
+            output_bytes=info.output_bytes,
+            kv_elements=per_block,
+            n_vocab=info.n_vocab or DEFAULT_VOCAB,
+            n_embd=info.n_embd,
+            # llama.cpp's FFN is ~4x the embedding when the file does not say (GPT-2 shape).
+            n_ff=info.n_ff or 4 * info.n_embd,
+        )
+
+    @property
+    def units(self) -> int:
+        """Offloadable units: the blocks and the output layer."""
+        return self.n_layers + 1
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadBytes:
+    """Predicted bytes per device for one split; ``gpu[i]`` belongs to the i-th device."""
+
+    gpu: tuple[int, ...]
+    host_anonymous: int
+    host_file: int
+    gpu_weights: int  # weights + KV on the GPUs (the offloaded share of the model)
+    cpu_weights: int  # weights + KV left on the CPU
+
+    @property
+    def host(self) -> int:
+        return self.host_anonymous + self.host_file
+
+    @property
+    def gpu_share(self) -> float:
+        """The share of weights + KV on the GPUs (what "65% GPU" means)."""
+        whole = self.gpu_weights + self.cpu_weights
+        return self.gpu_weights / whole if whole else 0.0
+
+
+def unit_devices(n_layers: int, counts: Sequence[int]) -> list[int | None]:
+    """The device index of every unit (blocks 0..n-1, then the output layer); None = CPU.
+
+    ``counts[i]`` units go to device i, in order, ending at the output layer: llama.cpp's
+    split points are the cumulative counts, and the GPU units are the last ``sum(counts)``.
+    """
+    total = sum(counts)
+    if any(c < 0 for c in counts) or total > n_layers + 1:
+        raise ValueError(f"bad split {list(counts)} for {n_layers + 1} units")
+    start = n_layers + 1 - total
+    out: list[int | None] = [None] * start
+    for device, count in enumerate(counts):
+        out.extend([device] * count)
+    return out
+
+
+def kv_bytes_per_token_per_block(layout: Layout, kv_type: str) -> list[int]:
+    per_element = check_kv_type(kv_type)
+    return [math.ceil(e * per_element) for e in layout.kv_elements]
+
+
+def split_bytes(
+    layout: Layout, n_ctx: int, slots: int, kv_type: str, counts: Sequence[int]
+) -> OffloadBytes:
+    """Bytes per device with ``counts[i]`` units on device i (``n_ctx`` is per slot)."""
+    where = unit_devices(layout.n_layers, counts)
+    tokens = n_ctx * slots
+    kv_per_block = kv_bytes_per_token_per_block(layout, kv_type)
+    n_dev = len(counts)
+    gpu = [0] * n_dev
+    cpu_weights = layout.input_bytes
+    cpu_kv = 0
+    for block in range(layout.n_layers):
+        dev = where[block]
+        kv = kv_per_block[block] * tokens
+        if dev is None:
+            cpu_weights += layout.block_bytes[block]
+            cpu_kv += kv
+        else:
+            gpu[dev] += layout.block_bytes[block] + kv
+    out_dev = where[layout.n_layers]
+    if out_dev is None:
+        cpu_weights += layout.output_bytes
+    else:
+        gpu[out_dev] += layout.output_bytes
+    offloaded = sum(gpu)
+    used = [i for i, c in enumerate(counts) if c > 0]
+    pipeline = len(used) > 1 and sum(counts) == layout.units
+    copies = PIPELINE_COPIES if pipeline else 1
+    for i in used:
+        compute = ACTIVATION_BYTES * UBATCH * (layout.n_ff + layout.n_embd)
+        compute += MASK_BYTES * UBATCH * n_ctx
+        if i == out_dev:
+            compute += LOGIT_BYTES * UBATCH * layout.n_vocab
+        gpu[i] += CUDA_DEVICE_BASE + compute * copies
+    if len(used) > 1:
+        gpu[used[0]] += SPLIT_FIRST_EXTRA
+    if used and out_dev is not None and where[0] is None:
+        # Blocks on the CPU: a prompt batch's matmuls are run on the GPU with the weight
+        # copied over, one matrix at a time (op offload): about a quarter of a block.
+        gpu[used[0]] += max(layout.block_bytes) // 4
+    on_gpu = bool(used)
+    vocab = layout.n_vocab
+    # the CPU estimate's runtime (interpreter, runner, xllamacpp) and engine state
+    fixed = LLAMA_RUNTIME_ANON + LLAMA_FIXED_ANON
+    anonymous = fixed + LLAMA_PER_VOCAB * vocab + slots * vocab * LOGIT_BYTES + cpu_kv
+    file_backed = cpu_weights + LLAMA_RUNTIME_FILE
+    if on_gpu:
+        anonymous += CUDA_HOST_ANON
+        file_backed += CUDA_RUNTIME_FILE
+    return OffloadBytes(
+        gpu=tuple(gpu),
+        host_anonymous=anonymous,
+        host_file=file_backed,
+        gpu_weights=offloaded,
+        cpu_weights=cpu_weights + cpu_kv,
+    )

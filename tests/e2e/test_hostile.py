@@ -1,0 +1,367 @@
+"""A real ``elbowroom serve`` against hostile clients (docs/security.md).
+
+One server for the module, started as a user would with a small context (``--ctx 1024``),
+a models folder holding three crafted GGUF files, and the body limits raised so that the
+deeper checks (the JSON scan, the context bound) are the ones that answer. Each test sends
+what an attacker, a web page or a buggy client would, and asserts the status, that no work
+started, and that everyone else was still served meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+from crafted_gguf import write_hostile_models
+from serverproc import REPO, ServerFactory, ServerProcess, runner_pid, wait_for
+
+MODEL = "smollm2-135m"
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
+EVIL = "https://evil.example"
+HI = [{"role": "user", "content": "x"}]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    folder = tmp_path_factory.mktemp("hostile-models")
+    return folder, write_hostile_models(folder)
+
+
+@pytest.fixture(scope="module")
+def server(server_factory: ServerFactory, models: tuple[Path, dict[str, str]]) -> ServerProcess:
+    return server_factory(
+        "--ctx",
+        "1024",
+        "--models-dir",
+        str(models[0]),
+        env={"ELBOWROOM_MAX_BODY": "128MiB", "ELBOWROOM_MAX_CHARS": "100000000"},
+    )
+
+
+def server_pid(server: ServerProcess) -> int:
+    assert server.proc is not None
+    return server.proc.pid
+
+
+def status_kb(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise AssertionError(f"no {field} for {pid}")
+
+
+def nothing_loaded(server: ServerProcess) -> bool:
+    return server.ps() == []
+
+
+# --- web pages ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("content_type", "body"),
+    [
+        ("text/plain", json.dumps(CHAT)),  # fetch(url, {mode: "no-cors", body: JSON})
+        ("application/x-www-form-urlencoded", "model=smollm2-135m&x=1"),  # <form method=post>
+        (
+            "multipart/form-data; boundary=b",
+            '--b\r\nContent-Disposition: form-data; name="x"\r\n\r\n1\r\n--b--\r\n',
+        ),
+    ],
+)
+@pytest.mark.parametrize(
+    "path", ["/v1/chat/completions", f"/api/models/{MODEL}/load", f"/api/models/{MODEL}/unload"]
+)
+def test_cross_site_posts_are_refused_before_any_work(
+    server: ServerProcess, content_type: str, body: str, path: str
+) -> None:
+    headers = {
+        "content-type": content_type,
+        "origin": EVIL,
+        "sec-fetch-site": "cross-site",
+        "sec-fetch-mode": "no-cors",
+    }
+    r = httpx.post(server.url + path, content=body, headers=headers, timeout=10)
+    assert r.status_code == 403, r.text
+    assert r.json()["error"]["code"] == "origin_not_allowed"
+    assert nothing_loaded(server)
+
+
+@pytest.mark.slow
+def test_a_rebinding_host_reads_nothing(server: ServerProcess) -> None:
+    port = urlsplit(server.url).port
+    for path in ("/v1/models", "/api/ps", "/api/memory", "/metrics"):
+        # After DNS rebinding the page is "same-origin" with itself: Host and Origin agree.
+        r = httpx.get(
+            server.url + path,
+            headers={"host": f"evil.example:{port}", "origin": f"http://evil.example:{port}"},
+            timeout=10,
+        )
+        assert r.status_code == 403, (path, r.text)
+        error = r.json()["error"]  # Ollama's shape on /api/ps: {"error": "message"}
+        assert error["code"] == "host_not_allowed" if isinstance(error, dict) else "Host" in error
+        assert "smollm2" not in r.text
+    assert httpx.get(server.url + "/v1/models", timeout=10).status_code == 200
+
+
+@pytest.mark.slow
+def test_a_body_without_content_type_is_415(server: ServerProcess) -> None:
+    r = httpx.post(server.url + "/v1/chat/completions", content=json.dumps(CHAT), timeout=10)
+    assert "content-type" not in r.request.headers
+    assert r.status_code == 415
+    assert r.json()["error"]["code"] == "unsupported_media_type"
+    assert nothing_loaded(server)
+
+
+# --- sizes ----------------------------------------------------------------------------------
+
+
+def raw_request(server: ServerProcess, head: str, timeout: float = 5.0) -> bytes:
+    """Send only a request head (no body) on a raw socket; return what the server answers."""
+    parts = urlsplit(server.url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=timeout) as sock:
+        sock.sendall(head.encode())
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    return answer
+
+
+@pytest.mark.slow
+def test_a_1gib_content_length_is_413_before_the_body(server: ServerProcess) -> None:
+    began = time.perf_counter()
+    answer = raw_request(
+        server,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        "Content-Type: application/json\r\nContent-Length: 1073741824\r\n\r\n",
+    )
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert b"request_too_large" in answer and b"max_body" in answer
+    assert time.perf_counter() - began < 2.0  # answered without waiting for a GiB
+
+
+class HealthProbe:
+    """Polls /health and the server's RSS from a thread while the test sends something big."""
+
+    def __init__(self, server: ServerProcess, pid: int) -> None:
+        self.url = server.url + "/health"
+        self.pid = pid
+        self.latencies: list[float] = []
+        self.peak_rss_kb = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> HealthProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=30) as client:
+            while not self._stop.is_set():
+                self.peak_rss_kb = max(self.peak_rss_kb, status_kb(self.pid, "VmRSS"))
+                began = time.perf_counter()
+                assert client.get(self.url).status_code == 200
+                self.latencies.append(time.perf_counter() - began)
+                self._stop.wait(0.02)
+
+
+def reset_peak_rss(pid: int) -> bool:
+    """Reset VmHWM (Linux: write 5 to clear_refs), so the peak is this test's."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+def test_a_million_messages_cost_little_and_stall_no_one(server: ServerProcess) -> None:
+    pid = server_pid(server)
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}] * 10**6})
+    rss_before = status_kb(pid, "VmRSS")
+    hwm = reset_peak_rss(pid)
+    # The big body goes from another process: this one's threads only measure.
+    sender = subprocess.Popen(
+        [sys.executable, "-c", SEND_BODY, server.url + "/v1/chat/completions"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    with HealthProbe(server, pid) as probe:
+        out, _ = sender.communicate(body.encode(), timeout=120)
+    status, answer = out.decode().split(" ", 1)
+    assert status == "413", answer
+    assert json.loads(answer)["error"]["code"] == "json_too_large"
+    peak = max(probe.peak_rss_kb, status_kb(pid, "VmHWM") if hwm else 0)
+    assert (peak - rss_before) * 1024 < 100 * 1024**2, f"server grew {peak - rss_before} KiB"
+    assert probe.latencies, "no /health answer while the body was sent"
+    assert max(probe.latencies) < 1.0, f"/health took {max(probe.latencies):.2f} s"
+
+
+SEND_BODY = """
+import sys, httpx
+r = httpx.post(sys.argv[1], content=sys.stdin.buffer.read(),
+               headers={"content-type": "application/json"}, timeout=120)
+print(r.status_code, r.text)
+"""
+
+
+def fifty_mb_prompt() -> bytes:
+    head = b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "'
+    return head + b"word " * 10_000_000 + b'"}]}'
+
+
+@pytest.mark.slow
+def test_a_50mb_prompt_against_a_1k_context_is_a_fast_400(server: ServerProcess) -> None:
+    began = time.perf_counter()
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        content=fifty_mb_prompt(),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    took = time.perf_counter() - began
+    assert r.status_code == 400, r.text[:300]
+    err = r.json()["error"]
+    assert (err["code"], err["param"]) == ("context_length_exceeded", "messages")
+    assert "1024" in err["message"]
+    assert took < 5.0, f"{took:.1f} s"
+    assert nothing_loaded(server)  # refused before any runner was started for it
+
+
+@pytest.mark.slow
+def test_a_50mb_prompt_kills_no_runner(server: ServerProcess) -> None:
+    """With the model loaded: the refusal never reaches the runner (needs the LLM engine)."""
+    r = httpx.post(server.url + f"/api/models/{MODEL}/load", timeout=180)
+    assert r.status_code == 200, r.text
+    pid = runner_pid(server, MODEL)
+    assert pid is not None
+    bad = httpx.post(
+        server.url + "/v1/chat/completions",
+        content=fifty_mb_prompt(),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert bad.status_code == 400
+    assert runner_pid(server, MODEL) == pid  # the same runner, alive and ready
+    ok = httpx.post(server.url + "/v1/chat/completions", json=CHAT, timeout=120)
+    assert ok.status_code == 200, ok.text
+    httpx.post(server.url + f"/api/models/{MODEL}/unload", timeout=60)
+    wait_for(lambda: nothing_loaded(server), timeout=30, what="the unload")
+
+
+# --- metrics --------------------------------------------------------------------------------
+
+
+def series(server: ServerProcess) -> set[str]:
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return {line.rsplit(" ", 1)[0] for line in text.splitlines() if line and line[0] != "#"}
+
+
+def random_names(server: ServerProcess, n: int, connections: int = 8) -> list[int]:
+    """``n`` chat requests naming random models, pipelined on raw keep-alive connections
+    (an HTTP client's own overhead would dominate the time); returns their statuses."""
+    parts = urlsplit(server.url)
+    statuses: list[int] = []
+
+    def one_connection(count: int) -> None:
+        with socket.create_connection((parts.hostname, parts.port), timeout=60) as sock:
+            requests = []
+            for _ in range(count):
+                body = json.dumps({"model": secrets.token_hex(12), "messages": HI}).encode()
+                requests.append(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                    % (len(body), body)
+                )
+            sender = threading.Thread(target=sock.sendall, args=(b"".join(requests),))
+            sender.start()
+            buf = b""
+            for _ in range(count):
+                while b"\r\n\r\n" not in buf:
+                    buf += sock.recv(65536)
+                head, buf = buf.split(b"\r\n\r\n", 1)
+                length = int(head.lower().split(b"content-length: ", 1)[1].split(b"\r\n")[0])
+                while len(buf) < length:
+                    buf += sock.recv(65536)
+                buf = buf[length:]
+                statuses.append(int(head.split(b" ", 2)[1]))
+            sender.join()
+
+    threads = [
+        threading.Thread(target=one_connection, args=(n // connections,))
+        for _ in range(connections)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    return statuses
+
+
+@pytest.mark.slow
+def test_ten_thousand_random_model_names_add_no_series(server: ServerProcess) -> None:
+    random_names(server, 8)  # the "unknown"/404 series exist from here on
+    before = series(server)
+    statuses = random_names(server, 10_000)
+    assert len(statuses) == 10_000 and set(statuses) == {404}
+    after = series(server)
+    grown = {s for s in after - before if "model=" in s}
+    assert grown == set(), sorted(grown)[:5]
+    assert len(after) == len(before)
+
+
+# --- model files ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_crafted_ggufs_are_listed_as_problems_and_serve_starts(
+    server: ServerProcess, models: tuple[Path, dict[str, str]]
+) -> None:
+    folder, expected = models
+    listing = httpx.get(server.url + "/api/elbowroom/models", timeout=30).json()
+    reasons = {Path(p["path"]).name: p["reason"] for p in listing["problems"]}
+    assert set(reasons) == set(expected)
+    for name, why in expected.items():
+        assert why in reasons[name]
+    ids = {m["id"] for m in httpx.get(server.url + "/v1/models", timeout=30).json()["data"]}
+    assert MODEL in ids and not any(i.startswith(("nested", "array", "negative")) for i in ids)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELBOWROOM_")}
+    env["XDG_DATA_HOME"] = str(server.home / "data")
+    env["XDG_CONFIG_HOME"] = str(server.home / "config")
+    ls = subprocess.run(
+        [sys.executable, "-m", "elbowroom", "ls", "--json", "--models-dir", str(folder)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ls.returncode == 0, ls.stderr
+    assert {Path(p["path"]).name for p in json.loads(ls.stdout)["problems"]} == set(expected)
+
+
+@pytest.mark.slow
+def test_the_server_survived_all_of_it(server: ServerProcess) -> None:
+    """Last in the module: the same server process, healthy, no runner left behind."""
+    assert server.proc is not None and server.proc.poll() is None
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+    assert "Traceback" not in server.log()

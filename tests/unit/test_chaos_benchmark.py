@@ -1,0 +1,43 @@
+"""The chaos benchmark's pure parts: the neighbour's pattern per seed and how a request's
+answer is counted (benchmarks/chaos.py; the benchmark itself needs root and cgroup v1)."""
+
+from __future__ import annotations
+
+import random
+
+from chaos import STEP_MIB, Result, level_seconds, neighbour_pattern, outcome
+
+
+def test_neighbour_pattern_is_the_seeds_own_and_fills_the_duration() -> None:
+    a = neighbour_pattern(random.Random(1), 90, 1280, (0.6, 0.72), 64)
+    assert a == neighbour_pattern(random.Random(1), 90, 1280, (0.6, 0.72), 64)
+    assert a != neighbour_pattern(random.Random(2), 90, 1280, (0.6, 0.72), 64)
+    assert sum(b.rest_s + b.ceiling / b.rate + b.hold_s for b in a) >= 90
+    for b in a:
+        assert int(1280 * 0.6) <= b.ceiling <= int(1280 * 0.72)
+        assert 64 <= b.rate <= 128 and b.rate % STEP_MIB == 0
+
+
+def _answer(status: int, error: str = "", message: str = "") -> str:
+    return outcome(Result(0, 1, "chat", "m", status, error, message))
+
+
+def test_outcome_tells_refusals_aborts_and_failures_apart() -> None:
+    assert _answer(200) == "served"
+    assert _answer(507, "insufficient_memory/insufficient_memory") == "507"
+    assert _answer(503, "memory_pressure/memory_pressure", "The server is under hard") == "503"
+    aborted = "generation aborted: memory pressure is hard (after 16 tokens)"
+    assert _answer(503, "memory_pressure/memory_pressure", aborted) == "aborted"
+    assert _answer(503, "service_unavailable/runner_crashed", "runner died") == "failed"
+    assert _answer(0, "APITimeoutError") == "failed"
+    assert _answer(500, "server_error/-") == "failed"
+
+
+def test_level_seconds_count_each_sample_until_the_next() -> None:
+    history = [
+        {"t": 0.0, "level": "normal"},
+        {"t": 0.5, "level": "soft"},
+        {"t": 1.5, "level": "hard"},
+        {"t": 2.0, "level": "normal"},
+    ]
+    assert level_seconds(history) == {"soft": 1.0, "hard": 0.5}
