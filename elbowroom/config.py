@@ -99,8 +99,10 @@ class Settings:
     # --- memory
     override_memory: int | None = _size(default=None)
     os_reserve: int | None = _size(default=None)  # None: tiered by total size
+    container_margin: int | None = _size(default=None)  # None: max(5 % of limit, 32 MiB)
     safety_margin: int = _size(default=256 * 1024**2)
-    soft_fraction: float = 0.85
+    load_fraction: float = 0.85  # the load ceiling, below soft
+    soft_fraction: float = 0.90
     hard_fraction: float = 0.95
     psi_soft: float = 10.0  # PSI some avg10 (%) that raises the level to soft
     psi_hard: float = 40.0  # ... and to hard
@@ -236,8 +238,8 @@ def load_settings(
 def _validate(s: Settings) -> None:
     if s.kv_type not in ("f16", "q8_0", "q4_0"):
         raise ConfigError(f"kv_type must be f16, q8_0 or q4_0, not {s.kv_type!r}")
-    if not 0 < s.soft_fraction < s.hard_fraction <= 1:
-        raise ConfigError("need 0 < soft_fraction < hard_fraction <= 1")
+    if not 0 < s.load_fraction < s.soft_fraction < s.hard_fraction <= 1:
+        raise ConfigError("need 0 < load_fraction < soft_fraction < hard_fraction <= 1")
     if s.slots < 1 or s.queue_size < 0:
         raise ConfigError("slots must be >= 1, queue_size >= 0")
     for item in s.model_slots:

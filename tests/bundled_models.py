@@ -70,4 +70,31 @@ SMOLLM2_INFO = GGUFInfo(
     file_type="Q4_1",
     has_chat_template=True,
     n_vocab=49152,
+    n_ff=1536,
+    tensor_bytes=96_576_768,
+    matmul_bytes=(("Q4_1", 66_355_200), ("Q8_0", 30_081_024)),  # tied: token_embd too
+)
+# gemma3-270m's (Q4_K_M): sliding window 512 on 5 of every 6 layers, a 262,144 vocabulary.
+GEMMA3_INFO = GGUFInfo(
+    architecture="gemma3",
+    name="gemma3-270m",
+    n_layers=18,
+    n_heads=4,
+    n_kv_heads=1,
+    head_dim_k=256,
+    head_dim_v=256,
+    n_embd=640,
+    trained_ctx=32768,
+    file_type="Q4_K_M",
+    has_chat_template=False,
+    sliding_window=512,
+    n_vocab=262144,
+    n_ff=2048,
+    tensor_bytes=246_587_904,
+    matmul_bytes=(
+        ("Q4_K", 13_271_040),
+        ("Q5_0", 43_591_680),
+        ("Q6_K", 9_676_800),
+        ("Q8_0", 179_824_640),  # token_embd too: tied, it is the output projection
+    ),
 )

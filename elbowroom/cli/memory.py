@@ -27,8 +27,9 @@ def register(sub: Any) -> None:
     p = sub.add_parser(
         "memory",
         help="show memory (host, cgroup, PSI, GPUs), the budget and the pressure level",
-        description="Show the memory snapshot, each budget limit candidate (the winner "
-        "marked *), the soft/hard thresholds and the pressure level.",
+        description="Show the memory snapshot, the reserve rule (host, container or override), "
+        "each budget limit candidate (the winner marked *), the load ceiling, the soft/hard "
+        "thresholds and the pressure level.",
     )
     add_common(p)
     p.add_argument(
@@ -166,11 +167,13 @@ def render(sample: Sample, pools: tuple[Pool, ...] = ()) -> str:
         *_snapshot_lines(sample.snapshot),
         "",
         f"Budget (ours: {fs(sample.own_usage)}; the smallest candidate wins)",
+        f"rule: {limit.rule} ({limit.rule_why})",
         table(["", "candidate", "limit", "why"], rows),
         "",
-        f"limit  {fs(limit.value)} ({limit.winner})",
-        f"soft   {fs(limit.soft)} ({limit.soft / value:.0%} of the limit)",
-        f"hard   {fs(limit.hard)} ({limit.hard / value:.0%} of the limit)",
+        f"limit    {fs(limit.value)} ({limit.winner})",
+        f"ceiling  {fs(limit.ceiling)} ({limit.ceiling / value:.0%} of the limit: loads stop here)",
+        f"soft     {fs(limit.soft)} ({limit.soft / value:.0%} of the limit)",
+        f"hard     {fs(limit.hard)} ({limit.hard / value:.0%} of the limit)",
         f"pressure: {sample.level.label}",
         *(f"  - {why}" for why in sample.reasons),
     ]

@@ -21,7 +21,14 @@ from elbowroom.memory.probe import default_probe
 from elbowroom.memory.types import Snapshot
 from elbowroom.models.bundled import unprepared
 from elbowroom.models.catalog import Catalog, discover
-from elbowroom.models.estimate import auto_context, context_cap, footprint, max_context
+from elbowroom.models.estimate import (
+    auto_context,
+    context_cap,
+    footprint,
+    max_context,
+    prompt_cache_grant,
+    swa_layers,
+)
 from elbowroom.models.measured import MeasuredStore
 from elbowroom.models.spec import Footprint, ModelSpec
 from elbowroom.units import format_size as fs
@@ -94,7 +101,13 @@ class _Context:
         if s.ctx is not None:
             return s.ctx, "ctx setting"
         auto = auto_context(
-            spec, self.limit.ceiling, s.max_ctx, s.min_ctx, s.slots, s.kv_type, self.measured
+            spec,
+            self.limit.ceiling,
+            s.max_ctx,
+            s.min_ctx,
+            s.slots_for(spec.id),
+            s.kv_type,
+            self.measured,
         )
         if auto > 0:
             return auto, "auto"
@@ -104,11 +117,11 @@ class _Context:
 
     def footprint(self, spec: ModelSpec, n_ctx: int) -> Footprint:
         s = self.settings
-        return footprint(spec, n_ctx, s.slots, s.kv_type, self.measured)
+        return footprint(spec, n_ctx, s.slots_for(spec.id), s.kv_type, self.measured)
 
 
 def _footprint_dict(fp: Footprint) -> dict[str, Any]:
-    return {**asdict(fp), "total": fp.total}
+    return {**asdict(fp), "total": fp.total, "at_load": fp.at_load}
 
 
 # ------------------------------------------------------------------------------- ls
@@ -168,9 +181,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     headers = ["ID", "KIND", "ENGINE", "SIZE", "CTX", "FOOTPRINT", "FITS", "SOURCE"]
     print(table(headers, rows) if rows else "no models found")
     print(
-        f"\nbudget: load ceiling {fs(ctx.limit.ceiling)} (soft threshold of the "
-        f"{fs(ctx.limit.value)} limit, {ctx.limit.winner}); footprint = anonymous + "
-        "file-backed, predicted unless marked measured; `elbowroom plan ID` shows the arithmetic"
+        f"\nbudget: load ceiling {fs(ctx.limit.ceiling)} of the {fs(ctx.limit.value)} limit "
+        f"({ctx.limit.winner}, {ctx.limit.rule} rule: {ctx.limit.rule_why}); footprint = "
+        "anonymous + file-backed, predicted unless marked measured; `elbowroom plan ID` shows "
+        "the arithmetic"
     )
     for problem in problems:
         print(f"skipped {problem['path']}: {problem['reason']}")
@@ -198,15 +212,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     fp = ctx.footprint(spec, n_ctx)
     fit = fits(fp.total, 0, ctx.limit)
     largest = (
-        max_context(spec, ctx.limit.ceiling, s.slots, s.kv_type, None, ctx.measured)
+        max_context(spec, ctx.limit.ceiling, s.slots_for(spec.id), s.kv_type, None, ctx.measured)
         if spec.gguf
         else 0
     )
     tips = _suggestions(ctx, spec, fit, n_ctx, largest)
+    grant = prompt_cache_grant(ctx.limit.ceiling, fp, s.kv_ram_max) if s.kv_cache else 0
     if args.json:
-        print_json(_plan_dict(ctx, spec, n_ctx, how, fp, fit, largest, tips))
+        print_json(_plan_dict(ctx, spec, n_ctx, how, fp, fit, largest, tips, grant))
     else:
-        print(_plan_text(ctx, spec, n_ctx, how, fp, fit, largest, tips))
+        print(_plan_text(ctx, spec, n_ctx, how, fp, fit, largest, tips, grant))
     if not fit.ok:
         print(f"elbowroom: {spec.id} does not fit: {fit.reason}", file=sys.stderr)
         return 1
@@ -222,7 +237,7 @@ def _suggestions(ctx: _Context, spec: ModelSpec, fit: Fit, n_ctx: int, largest: 
         if largest >= min(s.min_ctx, n_ctx) and largest > 0:
             tips.append(f"use --ctx {largest} (the largest context that fits)")
         for kv in KV_TYPES[KV_TYPES.index(s.kv_type) + 1 :]:
-            if footprint(spec, n_ctx, s.slots, kv).total <= ctx.limit.ceiling:
+            if footprint(spec, n_ctx, s.slots_for(spec.id), kv).total <= ctx.limit.ceiling:
                 tips.append(f"use --kv-type {kv} (fits at n_ctx {n_ctx})")
                 break
     tips.append(
@@ -241,6 +256,7 @@ def _plan_dict(
     fit: Fit,
     largest: int,
     tips: list[str],
+    grant: int,
 ) -> dict[str, Any]:
     snap, s = ctx.snapshot, ctx.settings
     return {
@@ -274,6 +290,7 @@ def _plan_dict(
         },
         "footprint": _footprint_dict(fp),
         "fit": asdict(fit),
+        "prompt_cache_grant": grant,
         "suggestions": tips,
     }
 
@@ -287,37 +304,53 @@ def _plan_text(
     fit: Fit,
     largest: int,
     tips: list[str],
+    grant: int,
 ) -> str:
     snap, s, limit = ctx.snapshot, ctx.settings, ctx.limit
     lines = [f"plan for {spec.id}: {spec.description or spec.path}", ""]
     memory = f"1. memory total {fs(snap.total)}"
     if snap.total != snap.host_total:
         memory += f" (host {fs(snap.host_total)}; smaller of cgroup limit and override)"
-    lines += [memory + f", available now {fs(snap.available)}", "", "2. limit candidates:"]
+    lines += [
+        memory + f", available now {fs(snap.available)}",
+        f"   rule: {limit.rule} ({limit.rule_why})",
+        "",
+        "2. limit candidates:",
+    ]
     rows = [
         ["*" if c.name == limit.winner else "", c.name, fs(c.value), c.why]
         for c in limit.candidates
     ]
     lines += ["   " + line for line in table(["", "candidate", "value", "why"], rows).splitlines()]
     lines += [
-        f"   limit = {fs(limit.value)} ({limit.winner}); loads are admitted up to the soft "
-        f"threshold: load ceiling {fs(limit.ceiling)}; nothing committed (no server)",
+        f"   limit = {fs(limit.value)} ({limit.winner}); loads are admitted up to the load "
+        f"ceiling {fs(limit.ceiling)} (below the soft threshold {fs(limit.soft)}); nothing "
+        "committed (no server)",
         "",
     ]
     src = " (measured)" if fp.measured else ""
     if spec.gguf is not None:
         g = spec.gguf
-        runtime_file = fp.file_backed - fp.weights
+        mapped = g.tensor_bytes or fp.weights
+        runtime_file = fp.file_backed - mapped
         heads = f"{g.n_kv_heads} KV heads × ({g.head_dim_k} + {g.head_dim_v}) dims"
+        windowed = sum(swa_layers(g))
+        window = f"; {windowed} sliding-window layers hold ≤ {g.sliding_window} + 512" * bool(
+            windowed
+        )
+        engine = fp.overhead - fp.working
         lines += [
-            f"3. weights (GGUF, mmap'd, file-backed): {fs(fp.weights)}"
+            f"3. weights (GGUF tensors, mmap'd, file-backed): {fs(mapped)}"
             f" + runtime libraries {fs(runtime_file)} = {fs(fp.file_backed)}{src}",
-            f"4. context: {n_ctx} tokens ({how}; trained {g.trained_ctx}, max_ctx {s.max_ctx},"
-            f" min_ctx {s.min_ctx}; {s.slots} slot(s) share it)",
-            f"5. KV cache ({s.kv_type}): {g.n_layers} layers × {heads} ="
-            f" {fs(fp.kv_bytes_per_token)}/token × {n_ctx} = {fs(fp.kv_bytes)}",
-            f"6. overhead (runtime, vocabulary, compute, logits): {fs(fp.overhead)}{src}",
-            f"   anonymous = KV + overhead = {fs(fp.anonymous)}{src}",
+            f"4. context: {n_ctx} tokens per slot × {fp.slots} slot(s) ({how}; trained"
+            f" {g.trained_ctx}, max_ctx {s.max_ctx}, min_ctx {s.min_ctx})",
+            f"5. KV cache ({fp.kv_type}): {g.n_layers} layers × {heads} ="
+            f" {fs(fp.kv_bytes_per_token)}/token{window}; × {n_ctx} × {fp.slots} slot(s) ="
+            f" {fs(fp.kv_bytes)}",
+            f"6. engine, vocabulary, logits: {fs(engine)}; repacked weights {fs(fp.repacked)};"
+            f" compute buffer {fs(fp.compute)} and per-slot state"
+            f" {fs(fp.working - fp.compute)} (what serving touches: {fs(fp.working)})",
+            f"   anonymous = KV + repacked + the rest = {fs(fp.anonymous)}{src}",
         ]
     else:
         lines += [
@@ -329,7 +362,7 @@ def _plan_text(
         ]
     lines += [
         f"7. predicted total = anonymous {fs(fp.anonymous)} + file-backed {fs(fp.file_backed)}"
-        f" = {fs(fp.total)}{src}",
+        f" = {fs(fp.total)}{src}" + (f" ({fs(fp.at_load)} right after load)" if fp.working else ""),
         f"8. {fit.reason}" if fit.ok else f"8. DOES NOT FIT: {fit.reason}",
     ]
     if spec.gguf is not None:
@@ -340,6 +373,12 @@ def _plan_text(
             else "   largest context that fits: none"
         )
     lines += [f"   try: {tip}" for tip in tips]
+    if spec.gguf is not None and fit.ok:
+        lines.append(
+            f"9. prompt-cache grant: {fs(grant)} (kv_ram_max {fs(s.kv_ram_max)}, shrunk to the"
+            f" {fs(max(0, limit.ceiling - fp.total))} the model leaves under the ceiling;"
+            " budgeted beside the model, not part of its footprint)"
+        )
     return "\n".join(lines)
 
 

@@ -38,6 +38,7 @@ from elbowroom.errors import (
     Unavailable,
 )
 from elbowroom.kvcache import CacheKey
+from elbowroom.models.estimate import CTX_CHECKPOINTS
 from elbowroom.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,9 @@ class LlamaEngine:
             # The binding takes exactly llama.cpp's 128 entries (one per possible device).
             params.tensor_split = split + [0.0] * (128 - len(split))
         params.fit_params = False  # placement is elbowroom's budget, not the engine's guess
+        # Sliding-window models snapshot their window per slot; llama.cpp's default of 32
+        # snapshots would grow gemma3-270m by ~0.5 GiB a slot, unbudgeted (models/estimate.py).
+        params.n_ctx_checkpoints = CTX_CHECKPOINTS
         params.ctx_shift = False  # a full context ends the reply ("length"); nothing is dropped
         params.hostnames = [control.socket]
         params.api_keys = [control.key]

@@ -7,8 +7,8 @@ gains the Metal limits as candidates.
 
 Every pool has the same shape: total, free, ours (what elbowroom's runners hold there),
 others (everything else: other processes, the driver), a reserve, a limit with its
-candidates and soft/hard thresholds; loads are admitted up to the soft threshold (the
-ceiling). A GPU's limit is the smallest of
+candidates and soft/hard thresholds; loads are admitted up to the load ceiling
+(``load_fraction`` of the limit, below soft). A GPU's limit is the smallest of
 
     total − reserve                 (reserve: 512 MiB up to 16 GiB cards, 1 GiB above;
                                      fragmentation and the driver's own allocations)
@@ -58,7 +58,7 @@ class Pool:
 
     @property
     def ceiling(self) -> int:
-        """Bytes our models may be admitted to hold here (the soft threshold)."""
+        """Bytes our models may be admitted to hold here (below the soft threshold)."""
         return self.limit.ceiling
 
 
@@ -79,6 +79,9 @@ def _limit(cands: list[Candidate], cfg: BudgetConfig) -> Limit:
         candidates=tuple(cands),
         soft=int(winner.value * cfg.soft_fraction),
         hard=int(winner.value * cfg.hard_fraction),
+        ceiling=int(winner.value * cfg.load_fraction),
+        rule="gpu",
+        rule_why="a GPU's own memory: its reserve and what other processes use on it",
     )
 
 

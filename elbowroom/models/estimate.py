@@ -1,31 +1,36 @@
 """PURE footprint arithmetic: what a model will hold once loaded, before loading it.
 
-LLMs (llama.cpp, mmap):
-    file_backed = GGUF file size + LLAMA_RUNTIME_FILE (the shared libraries' pages)
-    anonymous   = KV bytes/token × n_ctx + LLAMA_FIXED_ANON + LLAMA_PER_VOCAB × n_vocab
-                  + slots × n_vocab × 4 (one f32 logits row per sequence)
-    KV bytes/token = Σ_layers kv_heads × (head_dim_k + head_dim_v) × bytes per element
+LLMs (llama.cpp's server engine, xllamacpp, CPU, mmap):
+    file_backed = tensor data (the mapped weights) + LLAMA_RUNTIME_FILE
+    anonymous   = LLAMA_RUNTIME_ANON + LLAMA_FIXED_ANON + LLAMA_PER_VOCAB × n_vocab
+                  + KV + output (slots × n_vocab × 4) + repacked weights
+                  + working                                       (the part use adds)
+    KV          = slots × Σ_layers cells × kv_heads × (head_dim_k + head_dim_v) × bytes
+                  cells = n_ctx per slot (padded to 256); a sliding-window layer holds
+                  min(n_ctx, pad256(window + n_ubatch)) (llama.cpp's iswa cache)
+    working     = compute + slots × (SLOT_PER_VOCAB × n_vocab + checkpoints)
+    compute     = n_ubatch × 4 × (3 × n_ff + 5 × n_embd [+ MoE router and outputs])
+                  + n_ubatch × 2 × KV cells (the attention masks, f16)
 
-``n_ctx`` is the total context llama.cpp allocates; ``slots`` sequences share it (each gets
-n_ctx / slots tokens), so the KV cache does not grow with slots. Sliding-window models
-(gemma3) are sized with a full-size KV cache on every layer: llama-cpp-python's default
-(``swa_full``) and what we measured.
+``n_ctx`` is the PER-SLOT context: the engine gets n_ctx × slots, each slot owns n_ctx
+(``kv_unified`` off). Quantized weights that llama.cpp's CPU backend repacks (q4_0, q4_K,
+iq4_nl, mxfp4 on x86; more types on ARM) are copied into anonymous memory, and their mapped
+pages stay resident as well. The RAM prompt cache is NOT part of a footprint: it is a grant
+the budget hands out separately (``prompt_cache_grant``), which the engine never exceeds.
 
 Resident engines (whisper, piper, onnx-embed, pocketsphinx):
     anonymous = weights on disk × factor + runtime (interpreter + library)
     file_backed = the library's mapped shared objects
 
-Every constant below was measured on the bundled models with /proc/PID/smaps_rollup
-(benchmarks/estimate_accuracy.py reproduces the measurements and records the error).
-The state after one short request is what is predicted: a long prompt's prefill touches
-more of llama.cpp's compute buffer (up to ~50 MB more on the bundled models, less with flash
-attention), and a large embedding batch holds its activations while it runs.
-docs/models.md has the details.
+The constants were fitted on the two bundled LLMs only (SmolLM2-135M, gemma3-270m) with
+``elbowroom.models.calibrate``; ``benchmarks/estimate_accuracy.py`` checks them on
+held-out synthetic models of other architectures and sizes (docs/models.md).
 """
 
 from __future__ import annotations
 
 import math
+import platform
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -42,21 +47,60 @@ KV_TYPE_BYTES: dict[str, float] = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 
 CTX_STEP = 256  # auto-sized contexts are multiples of this
 
-# --- llama.cpp (llama-cpp-python 0.3.36, CPU), fitted on SmolLM2-135M (vocab 49,152) and
-# gemma3-270m (vocab 262,144) after a short generation, n_ctx 512..8192, f16/q8_0/q4_0 KV,
-# flash attention on and off. Anonymous minus KV was 45.6 MB and 90.2 MB: solving
-# fixed + per_vocab × n_vocab for both gives 33.7 MB and 209.5 B (the per-vocab part is
-# llama.cpp's vocabulary tables). The fixed part is the interpreter with llama_cpp imported
-# (21.9 MB) plus the context's buffers, rounded up, plus 2 MiB for elbowroom's runner
-# modules, which the calibration child does not import.
-LLAMA_FIXED_ANON = 36 * MiB
-LLAMA_PER_VOCAB = 210
-LOGIT_BYTES = 4  # one f32 per vocabulary entry per sequence
-# Shared libraries (libllama, libggml, numpy, python) mapped by the runner: 30.5 MB measured.
-LLAMA_RUNTIME_FILE = 30 * MiB
+# --- the engine's settings the estimate assumes (calibrate.engine_params passes them)
+N_UBATCH = 512  # llama.cpp's default micro-batch: sizes the compute buffer
+KV_PAD = 256  # llama.cpp pads KV caches (with flash attention) to multiples of this
+# Context checkpoints per slot (llama.cpp's n_ctx_checkpoints): a sliding-window model
+# (gemma3) snapshots its window state near the end of each prompt, so the next turn of a
+# conversation can reuse the cache. Each is the whole window (15 MiB for gemma3-270m);
+# llama.cpp's default of 32 would let a slot grow by ~0.5 GiB. One is enough for a
+# conversation that grows turn by turn, or a regenerated answer.
+CTX_CHECKPOINTS = 1
+
+# --- fitted on SmolLM2-135M (BPE vocab 49,152) and gemma3-270m (SPM vocab 262,144), right
+# after load, n_ctx 512..8192 per slot, slots 1 and 4, f16/q8_0/q4_0 KV: anonymous minus
+# the import baseline minus llama.cpp's reported KV, output and repacked buffers was
+# 26.6-27.1 MiB and 58.2-61.2 MiB, flat in n_ctx and slots. Solving
+# fixed + per_vocab × n_vocab: 19.3 MiB and 161 B (the vocabulary tables and the token
+# maps). The fixed part is engine state: threads, graph metadata, what warmup touched.
+LLAMA_FIXED_ANON = int(19.3 * MiB)
+LLAMA_PER_VOCAB = 161
+# A runner before its model loads: the interpreter with the worker, the engine's modules
+# and xllamacpp imported (15.1 MiB anonymous, 18.9 MiB of mapped libraries); loading maps
+# 5 MiB more library code (file-backed after load minus the tensor data: 23.9 / 24.0 MiB).
+LLAMA_RUNTIME_ANON = int(15.1 * MiB)
+LLAMA_RUNTIME_FILE = 24 * MiB
+LOGIT_BYTES = 4  # the output buffer: one f32 logits row per slot
+# Per slot once it has served a request: the sampler's candidate arrays and the slot's
+# token state, ~28.6 B per vocabulary entry on both models (4 slots vs 1, after a
+# ~300-token prompt each).
+SLOT_PER_VOCAB = 29
+# The compute buffer llama.cpp reserves for an n_ubatch-token batch (flash attention on):
+# 3 × n_ff + 5 × n_embd f32 values per token matched both models' reported buffers to
+# 0.1 % and 2.5 % (SmolLM2: 3 × 1536 + 5.0 × 576; gemma3: 3 × 2048 + 4.6 × 640), plus an
+# f16 mask row per KV cell (1,024 B per cell measured: n_ubatch × 2).
+COMPUTE_PER_FF = 3
+COMPUTE_PER_EMBD = 5
+MASK_BYTES = 2
 # A GGUF without a vocabulary size is sized as if it had a large one (conservative).
 DEFAULT_VOCAB = 128_000
-RUNNER_MODULES = 2 * MiB  # elbowroom's runner + engine modules, on top of the library
+RUNNER_MODULES = 2 * MiB  # elbowroom's runner + engine modules, on top of a library
+
+# Weight types llama.cpp's CPU backend repacks into its own (anonymous) buffer, by
+# machine: x86 with AVX2 (ggml-cpu/repack.cpp), ARM with dot-product / int8 matmul.
+REPACK_TYPES: dict[str, frozenset[str]] = {
+    "x86_64": frozenset({"Q4_0", "Q4_K", "IQ4_NL", "MXFP4"}),
+    "aarch64": frozenset({"Q4_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "MXFP4", "Q8_0"}),
+}
+REPACK_TYPES["amd64"] = REPACK_TYPES["x86_64"]
+REPACK_TYPES["arm64"] = REPACK_TYPES["aarch64"]
+HOST_REPACK = REPACK_TYPES.get(platform.machine().lower(), frozenset())
+
+# Sliding-window layer patterns llama.cpp applies when the file does not say: in each
+# group of N layers, all but the last use the window (gemma3: 5 local, 1 global).
+# Architectures not listed (phi3: llama.cpp turns its window off) use full attention.
+SWA_PATTERNS: dict[str, int] = {"gemma3": 6, "gemma2": 2, "cohere2": 4, "gpt-oss": 2}
+SWA_DEFAULT_WINDOW = {"gemma2": 4096}
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,31 +146,125 @@ def check_kv_type(kv_type: str) -> float:
         ) from None
 
 
-def kv_bytes_per_token(info: GGUFInfo, kv_type: str) -> int:
-    """Bytes the KV cache holds per context token, summed over layers."""
-    per_element = check_kv_type(kv_type)
+def _pad(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _row_bytes(elements: int, kv_type: str) -> int:
+    """Bytes of one KV row: quantized types store whole 32-value blocks."""
+    per = check_kv_type(kv_type)
+    if kv_type == "f16":
+        return int(elements * per)
+    return math.ceil(elements / 32) * int(per * 32)
+
+
+def swa_layers(info: GGUFInfo) -> tuple[bool, ...]:
+    """Which layers use a sliding window, as llama.cpp decides for this architecture."""
+    window = info.sliding_window or SWA_DEFAULT_WINDOW.get(info.architecture)
+    pattern = info.swa_pattern or SWA_PATTERNS.get(info.architecture)
+    if not window or not pattern:
+        return (False,) * info.n_layers
+    return tuple(i % pattern < pattern - 1 for i in range(info.n_layers))
+
+
+def _kv_per_cell(info: GGUFInfo, kv_type: str) -> tuple[int, int]:
+    """KV bytes per cell (one token of one slot), summed over full and over SWA layers."""
     heads = info.kv_heads_per_layer or (info.n_kv_heads,) * info.n_layers
-    elements = sum(heads) * (info.head_dim_k + info.head_dim_v)
-    return math.ceil(elements * per_element)
+    full = swa = 0
+    for n, windowed in zip(heads, swa_layers(info), strict=True):
+        cell = _row_bytes(n * info.head_dim_k, kv_type) + _row_bytes(n * info.head_dim_v, kv_type)
+        if windowed:
+            swa += cell
+        else:
+            full += cell
+    return full, swa
+
+
+def _cells(info: GGUFInfo, n_ctx: int) -> tuple[int, int]:
+    """KV cells per slot: (full-attention layers, sliding-window layers)."""
+    full = _pad(n_ctx, KV_PAD) if n_ctx > 0 else 0
+    window = info.sliding_window or SWA_DEFAULT_WINDOW.get(info.architecture) or 0
+    return full, min(full, _pad(window + N_UBATCH, KV_PAD))
+
+
+def kv_bytes_per_token(info: GGUFInfo, kv_type: str) -> int:
+    """KV bytes per token of one slot's context, in the layers whose cache grows with it
+    (a sliding-window layer stops growing at its window)."""
+    return _kv_per_cell(info, kv_type)[0] or _kv_per_cell(info, kv_type)[1]
+
+
+def kv_bytes(info: GGUFInfo, n_ctx: int, slots: int, kv_type: str) -> int:
+    """The whole KV cache: every slot owns ``n_ctx`` cells (sliding-window layers fewer)."""
+    full_cell, swa_cell = _kv_per_cell(info, kv_type)
+    full, swa = _cells(info, n_ctx)
+    return slots * (full * full_cell + swa * swa_cell)
+
+
+def _ff_width(info: GGUFInfo) -> tuple[int, int]:
+    """(feed-forward values per token, extra MoE values per token) for the compute buffer."""
+    if info.n_expert and info.n_expert_used:
+        expert = info.n_ff_expert or info.n_ff or 4 * info.n_embd
+        shared = info.n_ff_shared or 0
+        # the experts' gate/up/act, the router's logits/probabilities, and the chosen
+        # experts' outputs before they are summed
+        width = info.n_expert_used * expert + shared
+        return width, 3 * info.n_expert + info.n_expert_used * info.n_embd
+    return info.n_ff or 4 * info.n_embd, 0
+
+
+def compute_bytes(info: GGUFInfo, n_ctx: int, slots: int) -> int:
+    """llama.cpp's compute buffer for an n_ubatch-token batch, masks included."""
+    tokens = min(N_UBATCH, max(1, n_ctx * slots))
+    ff, moe = _ff_width(info)
+    values = COMPUTE_PER_FF * ff + COMPUTE_PER_EMBD * info.n_embd + moe
+    full, swa = _cells(info, n_ctx)
+    windowed = any(swa_layers(info))
+    masks = full * (not windowed or not all(swa_layers(info))) + swa * windowed
+    return tokens * (4 * values + MASK_BYTES * masks)
+
+
+def repacked_bytes(info: GGUFInfo, repack: frozenset[str] = HOST_REPACK) -> int:
+    """Weights the CPU backend copies into its repacked buffer (anonymous)."""
+    return sum(size for kind, size in info.matmul_bytes if kind in repack)
+
+
+def slot_bytes(info: GGUFInfo, n_ctx: int, kv_type: str) -> int:
+    """What one slot holds once it has served: sampling state and context checkpoints."""
+    vocab = info.n_vocab or DEFAULT_VOCAB
+    _full_cell, swa_cell = _kv_per_cell(info, kv_type)
+    swa = _cells(info, n_ctx)[1]
+    return SLOT_PER_VOCAB * vocab + CTX_CHECKPOINTS * swa * swa_cell
 
 
 def _llm_footprint(
     spec: ModelSpec, info: GGUFInfo, n_ctx: int, slots: int, kv_type: str
 ) -> Footprint:
-    per_token = kv_bytes_per_token(info, kv_type)
     vocab = info.n_vocab or DEFAULT_VOCAB
-    overhead = LLAMA_FIXED_ANON + LLAMA_PER_VOCAB * vocab + slots * vocab * LOGIT_BYTES
-    kv = per_token * n_ctx
+    kv = kv_bytes(info, n_ctx, slots, kv_type)
+    compute = compute_bytes(info, n_ctx, slots)
+    repacked = repacked_bytes(info)
+    working = compute + slots * slot_bytes(info, n_ctx, kv_type)
+    overhead = (
+        LLAMA_RUNTIME_ANON
+        + LLAMA_FIXED_ANON
+        + LLAMA_PER_VOCAB * vocab
+        + slots * vocab * LOGIT_BYTES
+        + working
+    )
+    tensors = info.tensor_bytes or spec.size_bytes
     return Footprint(
         weights=spec.size_bytes,
-        file_backed=spec.size_bytes + LLAMA_RUNTIME_FILE,
-        anonymous=kv + overhead,
-        kv_bytes_per_token=per_token,
+        file_backed=tensors + LLAMA_RUNTIME_FILE,
+        anonymous=kv + repacked + overhead,
+        kv_bytes_per_token=kv_bytes_per_token(info, kv_type),
         kv_bytes=kv,
         overhead=overhead,
         n_ctx=n_ctx,
         slots=slots,
         kv_type=kv_type,
+        compute=compute,
+        repacked=repacked,
+        working=working,
     )
 
 
@@ -154,6 +292,7 @@ def footprint(
 ) -> Footprint:
     """Predicted bytes once loaded; a measurement for the same file and settings wins.
 
+    ``n_ctx`` is the context of each of the ``slots`` (the engine gets n_ctx × slots).
     ``measured`` is the store to look in, or a measurement already looked up (what the
     scheduler passes). KV bytes/token and the KV total stay the prediction's either way.
     """
@@ -171,19 +310,45 @@ def footprint(
     if seen is None:
         return predicted
     anonymous, file_backed = seen.anonymous, seen.file_backed
-    if spec.gguf is None and spec.engine in RESIDENT_PROFILES:
+    if spec.gguf is not None:
+        # An LLM is measured right after load (docs/models.md: what it grows into later is
+        # its prompt cache, a grant): what serving adds is still the prediction's.
+        anonymous += predicted.working
+    elif spec.engine in RESIDENT_PROFILES:
         # A resident engine's working memory appears at its first request (whisper: 93 MiB
         # after load, 217 after one transcription), and a measurement may have been taken
         # right after load: a calibrated prediction is a floor, a larger measurement wins.
         anonymous = max(anonymous, predicted.anonymous)
         file_backed = max(file_backed, predicted.file_backed)
+    not_overhead = predicted.kv_bytes + predicted.repacked if spec.gguf else spec.size_bytes
     return replace(
         predicted,
         file_backed=file_backed,
         anonymous=anonymous,
-        overhead=max(0, anonymous - predicted.kv_bytes - (0 if spec.gguf else spec.size_bytes)),
+        overhead=max(0, anonymous - not_overhead),
         measured=True,
     )
+
+
+# A prompt cache smaller than this cannot hold a useful prompt's state (SmolLM2: 22 MiB per
+# 1,000 tokens): the engine gets none rather than one that only thrashes.
+MIN_PROMPT_CACHE = 16 * MiB
+
+
+def prompt_cache_grant(room: int, fp: Footprint, wanted: int) -> int:
+    """Bytes of RAM prompt cache to grant an LLM being loaded (the engine's ``cache_ram_mib``).
+
+    ``room`` is what the budget lets this load take (the load ceiling less what others hold
+    and cannot give up), ``fp`` the model's own footprint, ``wanted`` the ``kv_ram_max``
+    knob. The grant is what is wanted shrunk to the room the model leaves, in whole MiB (the
+    engine's unit); under ``MIN_PROMPT_CACHE`` it is 0 (no cache). It is budgeted beside the
+    model's footprint, never inside it: the engine keeps the cache under the grant, and a
+    measurement of the model remembers its own bytes only. Engines without a context get 0.
+    """
+    if fp.kv_bytes_per_token == 0:
+        return 0
+    grant = min(wanted, room - fp.total) // MiB * MiB
+    return grant if grant >= MIN_PROMPT_CACHE else 0
 
 
 def context_cap(spec: ModelSpec, ceiling: int | None) -> int:
@@ -217,15 +382,16 @@ def max_context(
 
     if cap < CTX_STEP:
         return cap if fits(cap) else 0
-    # Footprints are linear in n_ctx (predicted and rescaled measurements alike):
-    # solve, then step down in case a measurement makes it slightly non-linear.
-    base = footprint(spec, 0, slots, kv_type, measured).total
-    slope = kv_bytes_per_token(spec.gguf, kv_type)
-    best = cap if slope == 0 else min(cap, max(0, (budget_bytes - base) // slope))
-    n = best // CTX_STEP * CTX_STEP
-    while n >= CTX_STEP and not fits(n):
-        n -= CTX_STEP
-    return n
+    # Footprints only grow with n_ctx (KV, masks, a measurement rescaled by them), though
+    # not linearly (sliding windows stop growing): bisect over multiples of CTX_STEP.
+    lo, hi = 0, cap // CTX_STEP
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid * CTX_STEP):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * CTX_STEP
 
 
 def auto_context(

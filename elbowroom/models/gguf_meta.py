@@ -56,6 +56,7 @@ RANGES: dict[str, tuple[int, int]] = {
     "attention.sliding_window": (0, 1 << 26),
     "vocab_size": (0, 1 << 24),
     "feed_forward_length": (0, 1 << 24),
+    "expert_count": (0, 1 << 16),
 }
 
 _STRING, _ARRAY = 8, 9
@@ -101,6 +102,9 @@ class Header:
     longest: dict[str, int] = field(default_factory=dict)  # string arrays: longest entry
     n_params: int = 0
     tensors: list[tuple[str, int]] = field(default_factory=list)  # (name, bytes) in file order
+    # Bytes of the weights that feed matrix multiplications, by ggml type (GGUFInfo's
+    # matmul_bytes: what llama.cpp's CPU backend may repack).
+    matmul_bytes: dict[str, int] = field(default_factory=dict)
 
 
 class _Cursor:
@@ -205,9 +209,15 @@ def _skip_strings(cur: _Cursor, count: int) -> int:
     return int(longest)
 
 
+# Weights read by GET_ROWS (embedding lookups), not multiplied: never repacked.
+_LOOKUP_TENSORS = ("token_embd.", "per_layer_token_embd.", "position_embd.", "token_types.")
+
+
 def _tensors(cur: _Cursor, count: int, header: Header) -> None:
     """Walk the tensor infos: count parameters, check that the data lies inside the file."""
     spans: list[tuple[str, int, int]] = []
+    tied_embd: tuple[str, int] | None = None  # token_embd's (type, bytes) if repackable
+    has_output = False
     for _ in range(count):
         name = cur.string(MAX_KEY)
         n_dims = int(cur.take("I", 4))
@@ -231,6 +241,19 @@ def _tensors(cur: _Cursor, count: int, header: Header) -> None:
         nbytes = elements // block * type_size
         spans.append((str(name), offset, nbytes))
         header.tensors.append((str(name), nbytes))
+        has_output = has_output or name == "output.weight"
+        # The repack buffers take 2-D (and 3-D expert) weights whose rows come in 8s.
+        if n_dims >= 2 and dims[1] % 8 == 0:
+            kind = GGMLQuantizationType(ttype).name
+            if name == "token_embd.weight":
+                tied_embd = (kind, nbytes)
+            elif not str(name).startswith(_LOOKUP_TENSORS):
+                header.matmul_bytes[kind] = header.matmul_bytes.get(kind, 0) + nbytes
+    # Tied embeddings (no output.weight): the output projection multiplies token_embd, and
+    # llama.cpp repacks a copy of it for that (qwen2-style models at q4_0: +23.6 MiB).
+    if tied_embd is not None and not has_output:
+        kind, nbytes = tied_embd
+        header.matmul_bytes[kind] = header.matmul_bytes.get(kind, 0) + nbytes
     alignment = header.fields.get("general.alignment", 32)
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
         raise _Bad(f"general.alignment {alignment!r} is not a power of two")
@@ -358,6 +381,7 @@ def _info(header: Header, path: Path) -> GGUFInfo:
     tokenizer = f.get("tokenizer.ggml.model")
     file_type = f.get("general.file_type")
     layers, input_bytes, output_bytes = tensor_bytes_by_layer(header.tensors, n_layers)
+    pattern = f.get(f"{arch}.attention.sliding_window_pattern")
     return GGUFInfo(
         architecture=arch,
         name=name if isinstance(name, str) else path.stem,
@@ -382,6 +406,15 @@ def _info(header: Header, path: Path) -> GGUFInfo:
         input_bytes=input_bytes,
         output_bytes=output_bytes,
         n_ff=_int(header, f"{arch}.feed_forward_length", "feed_forward_length") or None,
+        n_expert=_int(header, f"{arch}.expert_count", "expert_count") or 0,
+        n_expert_used=_int(header, f"{arch}.expert_used_count", "expert_count") or 0,
+        n_ff_expert=_int(header, f"{arch}.expert_feed_forward_length", "feed_forward_length"),
+        n_ff_shared=_int(
+            header, f"{arch}.expert_shared_feed_forward_length", "feed_forward_length"
+        ),
+        swa_pattern=pattern if isinstance(pattern, int) and 0 < pattern <= 4096 else None,
+        tensor_bytes=sum(n for _, n in header.tensors) or None,
+        matmul_bytes=tuple(sorted(header.matmul_bytes.items())),
     )
 
 

@@ -2,20 +2,29 @@
 
 A JSON file (``settings.measurements_path``)::
 
-    {"version": 1, "models": {IDENTITY: {"engine": "llama", "entries": {
+    {"version": 2, "models": {IDENTITY: {"engine": "llama", "entries": {
         "n_ctx=4096,slots=1,kv=f16": {"anonymous": ..., "file_backed": ..., "swap": ...,
                                       "gpu": ..., "n_ctx": 4096, "slots": 1, "kv_type": "f16"}}}}}
 
 IDENTITY is ``ModelSpec.identity`` (resolved path, size, mtime): replacing the file starts
 afresh. Recording the same settings again keeps the larger value of each kind of bytes, so
-a measurement taken right after load never hides a larger one taken after a request.
+a resident engine's measurement right after load never hides a larger one taken after a
+request.
+
+What is recorded is a model's OWN footprint. An LLM (mmap, llama.cpp) is recorded right
+after load only: everything it holds of its own (KV cache, compute buffers, vocabulary) is
+allocated then, and what it grows into afterwards is its RAM prompt cache, a grant budgeted
+separately, plus the working memory the estimate predicts (``Footprint.working``), which
+``estimate.footprint`` adds back to a measurement. Measuring at unload would store the
+cache as if the model needed it (the issue that made SmolLM2 look 2.4× its size). Version 1
+files were recorded that way and are ignored.
 
 Lookup: the exact settings win. For an LLM measured at other settings, the nearest
-measurement (same slots and KV type first, then the closest n_ctx) is rescaled by the known
-KV arithmetic: anonymous + KV(new) − KV(old) + logits rows for the slot difference; what is
-not KV (runtime, compute buffers) is taken as measured. Resident engines have no context:
-any measurement of the file applies. Writes are atomic (temp file + rename); a corrupt or
-unreadable file reads as empty rather than failing a load.
+measurement (same slots and KV type first, then the closest n_ctx) is rescaled by the
+estimate's difference between the two settings; what the estimate does not model is taken
+as measured. Resident engines have no context: any measurement of the file applies. Writes
+are atomic (temp file + rename); a corrupt or unreadable file reads as empty rather than
+failing a load.
 """
 
 from __future__ import annotations
@@ -29,17 +38,12 @@ from pathlib import Path
 from typing import Any
 
 from elbowroom.memory.types import ProcessMemory
-from elbowroom.models.estimate import (
-    DEFAULT_VOCAB,
-    KV_TYPE_BYTES,
-    LOGIT_BYTES,
-    kv_bytes_per_token,
-)
+from elbowroom.models.estimate import KV_TYPE_BYTES, footprint
 from elbowroom.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
-_VERSION = 1
+_VERSION = 2
 _FIELDS = ("anonymous", "file_backed", "swap", "gpu")
 
 
@@ -63,6 +67,8 @@ class MeasuredStore:
             return {"version": _VERSION, "models": {}}
         if not isinstance(data, dict) or not isinstance(data.get("models"), dict):
             return {"version": _VERSION, "models": {}}
+        if data.get("version") != _VERSION:
+            return {"version": _VERSION, "models": {}}  # recorded by other rules
         return data
 
     def _save(self, data: dict[str, Any]) -> None:
@@ -118,16 +124,16 @@ class MeasuredStore:
             return _memory(exact[0], 0)
         if spec.gguf is None:
             return _memory(max(entries, key=lambda e: e["anonymous"]), 0)
-        info = spec.gguf
 
         def distance(e: dict[str, Any]) -> tuple[int, int, int]:
             return (e["kv_type"] != kv_type, e["slots"] != slots, abs(e["n_ctx"] - n_ctx))
 
         nearest = min(entries, key=distance)
-        old_kv = kv_bytes_per_token(info, nearest["kv_type"]) * nearest["n_ctx"]
-        new_kv = kv_bytes_per_token(info, kv_type) * n_ctx
-        logits = (slots - nearest["slots"]) * (info.n_vocab or DEFAULT_VOCAB) * LOGIT_BYTES
-        return _memory(nearest, new_kv - old_kv + logits)
+        then = footprint(spec, nearest["n_ctx"], nearest["slots"], nearest["kv_type"])
+        now = footprint(spec, n_ctx, slots, kv_type)
+        # Right-after-load anonymous bytes: the state a measurement was taken in.
+        delta = (now.anonymous - now.working) - (then.anonymous - then.working)
+        return _memory(nearest, delta)
 
 
 def _valid(entry: Any) -> bool:

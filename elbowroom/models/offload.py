@@ -36,6 +36,7 @@ from elbowroom.models.estimate import (
     DEFAULT_VOCAB,
     LLAMA_FIXED_ANON,
     LLAMA_PER_VOCAB,
+    LLAMA_RUNTIME_ANON,
     LLAMA_RUNTIME_FILE,
     LOGIT_BYTES,
     check_kv_type,
@@ -182,7 +183,9 @@ def split_bytes(
         gpu[used[0]] += max(layout.block_bytes) // 4
     on_gpu = bool(used)
     vocab = layout.n_vocab
-    anonymous = LLAMA_FIXED_ANON + LLAMA_PER_VOCAB * vocab + slots * vocab * LOGIT_BYTES + cpu_kv
+    # the CPU estimate's runtime (interpreter, runner, xllamacpp) and engine state
+    fixed = LLAMA_RUNTIME_ANON + LLAMA_FIXED_ANON
+    anonymous = fixed + LLAMA_PER_VOCAB * vocab + slots * vocab * LOGIT_BYTES + cpu_kv
     file_backed = cpu_weights + LLAMA_RUNTIME_FILE
     if on_gpu:
         anonymous += CUDA_HOST_ANON

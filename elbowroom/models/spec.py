@@ -58,6 +58,18 @@ class GGUFInfo:
     input_bytes: int = 0
     output_bytes: int = 0
     n_ff: int | None = None  # feed-forward width (the compute buffer grows with it)
+    # What the footprint estimate's compute-buffer, repacking and file terms need.
+    n_expert: int = 0  # mixture of experts: experts per layer (0: a dense model)
+    n_expert_used: int = 0  # ... and how many each token uses
+    n_ff_expert: int | None = None  # one expert's feed-forward width
+    n_ff_shared: int | None = None  # the shared expert's, where there is one
+    swa_pattern: int | None = None  # {arch}.attention.sliding_window_pattern, when present
+    tensor_bytes: int | None = None  # bytes of tensor data: what llama.cpp maps
+    # Bytes of the weights that feed matrix multiplications (not token embeddings that are
+    # only looked up, norms, biases), by ggml type name, counting only tensors whose row
+    # count is a multiple of 8: the ones llama.cpp's CPU backend may copy into a repacked
+    # (anonymous) buffer. A tied token_embd counts: it is the output projection's weight.
+    matmul_bytes: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +111,18 @@ class Footprint:
     slots: int = 1
     kv_type: str = "f16"
     measured: bool = False
+    compute: int = 0  # llama.cpp's compute buffer (part of anonymous)
+    repacked: int = 0  # weights copied into CPU-repacked buffers (part of anonymous)
+    # The part of anonymous that appears only once the model serves (compute-buffer pages
+    # touched by a full batch, per-slot sampling state, context checkpoints): a measurement
+    # right after load does not see it yet.
+    working: int = 0
 
     @property
     def total(self) -> int:
         return self.anonymous + self.file_backed
+
+    @property
+    def at_load(self) -> int:
+        """What the process holds right after load, before serving (total − working)."""
+        return self.total - self.working

@@ -105,6 +105,7 @@ class Scheduler:
         self._inflight: dict[str, InFlightRequest] = {}
         self._request_ids = itertools.count(1)
         self._last_limit = 0  # the limit's value at the last observation, for state()
+        self._last_rule = ("host", "")  # which reserve rule that limit came from, and why
         self._pools: tuple[Pool, ...] = ()  # host + GPU pools at the last observation
         # Read by the metrics module; plain ints so reading needs no lock.
         self.counters: dict[str, int] = {
@@ -296,12 +297,12 @@ class Scheduler:
         while True:
             await self._drain_stops()
             snap, limit = self._observe()
-            # Loads are admitted up to the soft threshold, not the limit: a load that filled
-            # the budget would put the guard straight into a pressure episode (unloads, then
-            # aborts at hard) as soon as caches and contexts grow a little.
+            # Loads are admitted up to the load ceiling, below the soft threshold: a load that
+            # filled the budget would put the guard straight into a pressure episode (unloads,
+            # then aborts at hard) as soon as caches and contexts grow a little.
             # The server process's own bytes (request bodies, Python) fill the same budget.
             self._last_server = self._server_usage()
-            state = self._state(limit.soft - self._last_server)
+            state = self._state(limit.ceiling - self._last_server)
             plan = plan_load(spec, self.settings, state, self._estimate, self._measured)
             plan = offload_plan.place_on_gpus(plan, spec, self.settings, state, self._pools)
             decision = policy.decide(state, plan.request)
@@ -415,6 +416,7 @@ class Scheduler:
                 message += ": " + "; or ".join(s.message for s in refusal.suggestions)
         details = refusal.details()
         details["memory_limit"] = self._last_limit
+        details["memory_rule"], details["memory_rule_why"] = self._last_rule
         details["server_usage"] = server
         return InsufficientMemory(message, code="insufficient_memory", details=details)
 
@@ -489,8 +491,10 @@ class Scheduler:
     def _remember_use(self, rec: Loaded) -> None:
         """Record what the runner holds after serving: resident engines grow well past their
         just-loaded size on the first request (whisper: ~93 -> ~217 MiB), and the store keeps
-        the larger value, so the next prediction for this model is what it really used."""
-        if self._measured is None or rec.ready is None:
+        the larger value, so the next prediction for this model is what it really used.
+        An LLM is not recorded here: what it grew into is its prompt cache, a grant, not its
+        own footprint (recorded at load; docs/models.md)."""
+        if self._measured is None or rec.ready is None or rec.spec.gguf is not None:
             return
         mem = rec.measure()
         if mem is not None and mem.resident > 0:
@@ -678,6 +682,7 @@ class Scheduler:
         # limit as a candidate on Apple Silicon.
         limit = self._pools[0].limit
         self._last_limit = limit.value
+        self._last_rule = (limit.rule, limit.rule_why)
         return snap, limit
 
     def _model_pools(self, rec: Loaded) -> dict[str, int]:

@@ -59,7 +59,7 @@ class ModelState:
 @dataclass(frozen=True, slots=True)
 class State:
     models: tuple[ModelState, ...]
-    limit: int  # the load ceiling: bytes our models may hold (the limit's soft threshold)
+    limit: int  # the load ceiling: bytes our models may hold (below the soft threshold)
     pool_limits: Mapping[str, int] = field(default_factory=dict)  # GPU pools' ceilings
 
     @property
@@ -172,7 +172,7 @@ class Refuse:
         text = (
             f"model {self.model!r} needs {format_size(self.needed)}{where} but only "
             f"{format_size(self.available + self.evictable)} of the "
-            f"{format_size(self.limit)} load ceiling (the soft threshold of the "
+            f"{format_size(self.limit)} load ceiling (load_fraction of the "
             f"{'memory' if self.pool == HOST else self.pool} limit) can be made free"
         )
         if self.suggestions:

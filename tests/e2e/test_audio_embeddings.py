@@ -235,8 +235,8 @@ def test_mixed_requests_evict_idle_engines_within_the_limit(
 ) -> None:
     server.stop()  # the last test of the module: free its data folder for the next server
     sizes = sorted(measured.bytes.values())
-    soft = Settings().soft_fraction
-    # The two biggest fit with room under the soft threshold, all four do not: some
+    soft = Settings().load_fraction  # the load ceiling
+    # The two biggest fit with room under the load ceiling, all four do not: some
     # requests must evict idle engines (the scheduler for a load, or the pressure guard).
     # The server's own bytes fill the same ceiling.
     low = int((sizes[-1] + sizes[-2] + measured.server) / soft) + 16 * MiB

@@ -3,9 +3,9 @@ one LLM but not both, and 507 refusals with their numbers.
 
 The footprints are measured first (a server loads both models and reports their bytes);
 the limited server shares that server's data folder, so its predictions are those
-measurements. ELBOWROOM_OS_RESERVE is set so that the limit is exactly
-``override - reserve`` (the reserve candidate wins over the 80 % fraction and over
-"available", see docs/memory.md), which makes the arithmetic of the test exact.
+measurements. ELBOWROOM_CONTAINER_MARGIN is set so that the limit is exactly
+``override - margin`` (an override gets the container rule, and the container candidate
+wins over "available", see docs/memory.md), which makes the arithmetic of the test exact.
 """
 
 from __future__ import annotations
@@ -81,11 +81,11 @@ def limited_server(
         home=home,
         env={
             "ELBOWROOM_OVERRIDE_MEMORY": str(limit + RESERVE),
-            "ELBOWROOM_OS_RESERVE": str(RESERVE),
+            "ELBOWROOM_CONTAINER_MARGIN": str(RESERVE),
         },
     )
     report = server.memory()
-    assert report["limit"]["winner"] == "reserve", report["limit"]
+    assert report["limit"]["winner"] == "container", report["limit"]
     return server, int(report["limit"]["value"])
 
 
@@ -93,9 +93,9 @@ def test_alternating_models_evict_and_never_exceed_the_limit(
     server_factory: ServerFactory, measured: Measured
 ) -> None:
     small, big = sorted(measured.bytes.values())
-    soft = Settings().soft_fraction
-    # Loads are admitted up to the soft threshold (soft x limit), less the server's own
-    # bytes: the bigger one fits under it with room to spare, both together do not.
+    soft = Settings().load_fraction  # the load ceiling
+    # Loads are admitted up to the load ceiling (load_fraction x limit), less the server's
+    # own bytes: the bigger one fits under it with room to spare, both together do not.
     own = measured.server
     low, high = int((big + own) / soft) + 16 * MiB, int((small + big + own) / soft) - 16 * MiB
     if low >= high:
@@ -144,7 +144,7 @@ def test_model_that_cannot_fit_at_all_is_507(
     for key in ("model", "needed", "available", "limit", "suggestions", "message"):
         assert key in err, err
     assert err["model"] == SMOL and err["memory_limit"] == limit and err["needed"] > limit
-    assert err["limit"] == int(limit * Settings().soft_fraction)  # the load ceiling
+    assert err["limit"] == int(limit * Settings().load_fraction)  # the load ceiling
     assert err["suggestions"], err
     assert server.ps() == []
     assert server.http().get("/health").json() == {"status": "ok"}

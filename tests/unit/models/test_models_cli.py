@@ -26,10 +26,10 @@ def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def limit_to(monkeypatch: pytest.MonkeyPatch, limit: int) -> list[str]:
-    """Flags and env that make the budget exactly ``limit``: an 8 GiB machine whose OS
-    reserve leaves ``limit`` (the other candidates are far larger, whatever this process
-    holds), so the numbers do not depend on the machine running the test."""
-    monkeypatch.setenv("ELBOWROOM_OS_RESERVE", str(8 * 1024 * MiB - limit))
+    """Flags and env that make the budget exactly ``limit``: an 8 GiB override whose
+    container margin leaves ``limit`` (the available candidate is far larger, whatever this
+    process holds), so the numbers do not depend on the machine running the test."""
+    monkeypatch.setenv("ELBOWROOM_CONTAINER_MARGIN", str(8 * 1024 * MiB - limit))
     return ["--override-memory", "8GiB"]
 
 
@@ -59,7 +59,7 @@ def test_ls_json_lists_models_with_footprints(
     assert smol["fits"] is True and smol["shortfall"] == 0
     fp = smol["footprint"]
     assert fp["total"] == fp["anonymous"] + fp["file_backed"]
-    assert fp["kv_bytes"] == 23040 * 4096
+    assert fp["kv_bytes"] == 23040 * 4096 * 4  # four slots (the default) each own 4096
     assert rows["tiny"]["source"] == "models_dir"
     assert data["limit"]["winner"] in {c["name"] for c in data["limit"]["candidates"]}
     assert [p["path"] for p in data["problems"]] == [str(models / "junk.gguf")]
@@ -104,7 +104,7 @@ def test_ls_small_budget_says_what_does_not_fit(
 ) -> None:
     code, data = run_json(capsys, "ls", *limit_to(monkeypatch, 150 * MiB))
     assert code == 0  # listing is not a failure
-    assert (data["limit"]["value"], data["limit"]["winner"]) == (150 * MiB, "reserve")
+    assert (data["limit"]["value"], data["limit"]["winner"]) == (150 * MiB, "container")
     for m in data["models"]:
         assert m["fits"] == (m["footprint"]["total"] <= 150 * MiB), m["id"]
     fits = {m["id"]: m["fits"] for m in data["models"]}
@@ -127,7 +127,7 @@ def test_plan_json_arithmetic(data_dir: Path, capsys: pytest.CaptureFixture[str]
     assert code == 0
     fp = data["footprint"]
     assert (fp["n_ctx"], fp["kv_type"], fp["kv_bytes_per_token"]) == (4096, "q8_0", 12240)
-    assert fp["kv_bytes"] == 12240 * 4096
+    assert fp["kv_bytes"] == 12240 * 4096 * fp["slots"]
     assert fp["anonymous"] == fp["kv_bytes"] + fp["overhead"]
     assert data["context"]["source"] == "--ctx"
     assert data["context"]["largest_fitting"] == 8192
@@ -143,7 +143,9 @@ def test_plan_text_walks_through_the_steps(
     assert code == 0
     for step in range(1, 9):
         assert f"\n{step}. " in out
-    assert "22.5 KiB/token × 4096" in out
+    # four slots (the default), each with its own context
+    assert "22.5 KiB/token; × 4096 × 4 slot(s) = 360.0 MiB" in out
+    assert "rule: override" in out and "prompt-cache grant:" in out
     assert "largest context that fits: 8192 (auto-sizing stops at max_ctx 4096)" in out
 
 
@@ -161,7 +163,7 @@ def test_plan_suggests_a_context_that_fits(
     data_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     flags = limit_to(monkeypatch, 360 * MiB)  # load ceiling 306 MiB
-    code, data = run_json(capsys, "plan", "smollm2-135m", "--ctx", "8192", *flags)
+    code, data = run_json(capsys, "plan", "smollm2-135m", "--ctx", "8192", "--slots", "1", *flags)
     assert code == 1
     largest = data["context"]["largest_fitting"]
     assert 0 < largest < 8192 and largest % 256 == 0
@@ -187,3 +189,14 @@ def test_plan_rejects_a_bad_kv_type(data_dir: Path, capsys: pytest.CaptureFixtur
         main(["plan", "smollm2-135m", "--kv-type", "f32"])
     assert exc.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_plan_and_ls_use_the_models_own_slots(
+    data_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ELBOWROOM_MODEL_SLOTS", "smollm2-135m=2")
+    code, data = run_json(capsys, "plan", "smollm2-135m", "--override-memory", "8GiB")
+    assert code == 0 and data["footprint"]["slots"] == 2
+    code, listed = run_json(capsys, "ls", "--override-memory", "8GiB")
+    smol = next(m for m in listed["models"] if m["id"] == "smollm2-135m")
+    assert smol["footprint"]["slots"] == 2

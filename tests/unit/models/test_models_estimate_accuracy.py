@@ -1,8 +1,9 @@
-"""The SmolLM2 prediction against a real load (a correctness check, not a timing).
+"""Predictions against real loads (correctness checks, not timings).
 
-Loads the model with llama.cpp in a child process at n_ctx 512 and 8192, runs a short
-generation and reads the child's /proc/PID/smaps_rollup (elbowroom.models.calibrate).
-benchmarks/estimate_accuracy.py does the same for every bundled model and records it.
+Each test loads a model with llama.cpp's server engine in a child process and reads the
+child's /proc/PID/smaps_rollup (elbowroom.models.calibrate). The synthetic model is one the
+estimate was not fitted on (benchmarks/synth_models.py; benchmarks/estimate_accuracy.py
+measures the whole held-out set); SmolLM2 is one it was fitted on.
 """
 
 from __future__ import annotations
@@ -10,31 +11,67 @@ from __future__ import annotations
 import sys
 
 import pytest
+from synth_models import TINY, ensure
 
 from elbowroom.config import Settings
 from elbowroom.models.bundled import bundled_specs
 from elbowroom.models.calibrate import measure_load
 from elbowroom.models.estimate import footprint
+from elbowroom.models.gguf_meta import read_gguf_info
+from elbowroom.models.spec import Holding, ModelKind, ModelSpec
 
 pytestmark = [
-    pytest.mark.slow,
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc smaps_rollup"),
 ]
 
 
-@pytest.mark.parametrize("n_ctx", [512, 8192])
-def test_smollm2_prediction_within_10_percent(empty_settings: Settings, n_ctx: int) -> None:
-    pytest.importorskip("llama_cpp")
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> ModelSpec:
+    pytest.importorskip("xllamacpp")
+    try:
+        path = ensure([TINY], tmp_path_factory.mktemp("synth"))[TINY.name]
+    except FileNotFoundError as exc:  # the tokenizer comes from the bundled SmolLM2
+        pytest.skip(str(exc))
+    return ModelSpec(
+        id=TINY.name,
+        kind=ModelKind.LLM,
+        engine="llama",
+        path=path,
+        size_bytes=path.stat().st_size,
+        holding=Holding.MMAP,
+        source="path",
+        gguf=read_gguf_info(path),
+    )
+
+
+def _check(spec: ModelSpec, n_ctx: int, slots: int) -> None:
+    m = measure_load(spec, n_ctx, "f16", slots=slots, timeout=240).loaded
+    fp = footprint(spec, n_ctx, slots)
+    error = (fp.at_load - m.resident) / m.resident
+    assert abs(error) <= 0.10, (
+        f"{spec.id} n_ctx {n_ctx} × {slots}: predicted at load {fp.at_load} (anon "
+        f"{fp.anonymous - fp.working}, file {fp.file_backed}), measured {m.resident} (anon "
+        f"{m.anonymous}, file {m.file_backed}): {error:+.1%}"
+    )
+
+
+def test_held_out_synthetic_model_within_10_percent(tiny: ModelSpec) -> None:
+    assert tiny.gguf is not None and tiny.gguf.n_embd == TINY.n_embd  # a real GGUF of it
+    _check(tiny, 1024, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("n_ctx", "slots"), [(512, 1), (4096, 4)])
+def test_smollm2_within_10_percent(empty_settings: Settings, n_ctx: int, slots: int) -> None:
+    pytest.importorskip("xllamacpp")
     spec = next((s for s in bundled_specs(empty_settings) if s.id == "smollm2-135m"), None)
     if spec is None:
         pytest.skip("the bundled SmolLM2 is not installed")
-    measured = measure_load(spec, n_ctx, "f16", timeout=240).used
-    predicted = footprint(spec, n_ctx)
-    error = (predicted.total - measured.resident) / measured.resident
-    assert abs(error) <= 0.10, (
-        f"n_ctx {n_ctx}: predicted {predicted.total} (anon {predicted.anonymous}, file "
-        f"{predicted.file_backed}), measured {measured.resident} (anon {measured.anonymous}, "
-        f"file {measured.file_backed}): {error:+.1%}"
-    )
-    # The KV cache is most of what n_ctx changes; the anonymous part must track it too.
-    assert abs(predicted.anonymous - measured.anonymous) <= 0.15 * measured.anonymous
+    _check(spec, n_ctx, slots)
+
+
+def test_synthetic_files_are_cached(tiny: ModelSpec) -> None:
+    stamp = tiny.path.stat().st_mtime_ns
+    assert ensure([TINY], tiny.path.parent)[TINY.name] == tiny.path
+    assert tiny.path.stat().st_mtime_ns == stamp  # not written again
+    assert [p.name for p in tiny.path.parent.iterdir()] == [tiny.path.name]  # no temp file

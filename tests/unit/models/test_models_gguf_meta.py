@@ -24,6 +24,11 @@ def test_smollm2_metadata(smollm2_path: Path) -> None:
     assert info.kv_heads_per_layer is None
     assert info.mmproj is None
     assert info.n_params is not None and 130e6 < info.n_params < 140e6
+    # what the estimate's file, compute and repack terms read (tests/bundled_models.py)
+    assert info.n_ff == 1536 and info.n_expert == 0
+    assert info.tensor_bytes == 96_576_768  # llama.cpp maps 92.10 MiB
+    # tied: token_embd (Q8_0) is the output projection's weight too
+    assert info.matmul_bytes == (("Q4_1", 66_355_200), ("Q8_0", 30_081_024))
 
 
 def test_gemma3_metadata(gemma_path: Path) -> None:
@@ -36,6 +41,14 @@ def test_gemma3_metadata(gemma_path: Path) -> None:
     assert info.file_type == "Q4_K_M"
     assert info.has_chat_template is False  # a base model
     assert info.n_vocab == 262144  # counted from the token list, which is skipped over
+    assert info.n_ff == 2048 and info.tensor_bytes == 246_587_904  # llama.cpp: 235.16 MiB
+    # tied: token_embd (Q8_0) is the output projection's weight too
+    assert dict(info.matmul_bytes) == {
+        "Q4_K": 13_271_040,
+        "Q5_0": 43_591_680,
+        "Q6_K": 9_676_800,
+        "Q8_0": 179_824_640,
+    }
 
 
 def test_per_layer_kv_heads_and_default_head_dim(tmp_path: Path) -> None:
@@ -111,3 +124,35 @@ def test_gguf_without_architecture_is_invalid(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(InvalidModel, match=r"general\.architecture"):
         read_gguf_info(path)
+
+
+def test_moe_and_window_pattern_keys(tmp_path: Path) -> None:
+    import numpy as np
+    from gguf import GGUFWriter
+
+    path = tmp_path / "moe.gguf"
+    w = GGUFWriter(str(path), "qwen3moe")
+    w.add_block_count(2)
+    w.add_embedding_length(64)
+    w.add_head_count(4)
+    w.add_feed_forward_length(256)
+    w.add_expert_count(8)
+    w.add_expert_used_count(2)
+    w.add_expert_feed_forward_length(128)
+    w.add_sliding_window(128)
+    w.add_sliding_window_pattern(3)
+    w.add_token_list([f"t{i}" for i in range(304)])
+    w.add_tensor("token_embd.weight", np.zeros((304, 64), dtype=np.float32))
+    w.add_tensor("output.weight", np.zeros((304, 64), dtype=np.float32))
+    w.add_tensor("blk.0.ffn_up_exps.weight", np.zeros((8, 128, 64), dtype=np.float16))
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(64, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    info = read_gguf_info(path)
+    assert (info.n_expert, info.n_expert_used, info.n_ff_expert) == (8, 2, 128)
+    assert (info.sliding_window, info.swa_pattern) == (128, 3)
+    assert info.tensor_bytes == 304 * 64 * 4 * 2 + 8 * 128 * 64 * 2 + 64 * 4
+    # untied: token_embd is only looked up; 1-D norms multiply nothing
+    assert dict(info.matmul_bytes) == {"F32": 304 * 64 * 4, "F16": 8 * 128 * 64 * 2}

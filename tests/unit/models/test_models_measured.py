@@ -45,7 +45,7 @@ def test_round_trip_through_a_new_store(tmp_path: Path, weights: Path) -> None:
     again = MeasuredStore(path).lookup(llm(weights), 4096, 1, "f16")
     assert again == ProcessMemory(200 * MiB, 120 * MiB, 1, 2)
     assert [p.name for p in path.parent.iterdir()] == ["measured.json"]  # no temp left over
-    assert json.loads(path.read_text())["version"] == 1
+    assert json.loads(path.read_text())["version"] == 2
 
 
 def test_nothing_known_is_none(tmp_path: Path, weights: Path) -> None:
@@ -71,8 +71,9 @@ def test_llm_measurement_is_rescaled_by_kv_arithmetic(tmp_path: Path, weights: P
     q8 = store.lookup(llm(weights), 4096, 1, "q8_0")
     assert q8 is not None
     assert q8.anonymous == MEM.anonymous - (per_token - kv_bytes_per_token(INFO, "q8_0")) * 4096
+    # a second slot owns its own context and logits row
     two = store.lookup(llm(weights), 4096, 2, "f16")
-    assert two is not None and two.anonymous == MEM.anonymous + 49152 * 4
+    assert two is not None and two.anonymous == MEM.anonymous + per_token * 4096 + 49152 * 4
 
 
 def test_nearest_measurement_is_used(tmp_path: Path, weights: Path) -> None:
@@ -143,9 +144,12 @@ def test_footprint_and_max_context_use_the_store(tmp_path: Path, weights: Path) 
     store = MeasuredStore(tmp_path / "m.json")
     spec = llm(weights)
     predicted = footprint(spec, 4096)
-    store.record(spec, 4096, 1, "f16", ProcessMemory(predicted.anonymous + 50 * MiB, 120 * MiB))
+    # recorded right after load: 50 MiB more than predicted, before any working memory
+    at_load = predicted.anonymous - predicted.working + 50 * MiB
+    store.record(spec, 4096, 1, "f16", ProcessMemory(at_load, 120 * MiB))
     fp = footprint(spec, 4096, measured=store)
     assert fp.measured and fp.anonymous == predicted.anonymous + 50 * MiB
+    assert fp.at_load == at_load + 120 * MiB
     budget = fp.total
     assert max_context(spec, budget, measured=store) == 4096
     assert max_context(spec, budget) > 4096  # the prediction alone is more optimistic
@@ -159,3 +163,16 @@ def test_store_file_is_written_atomically(tmp_path: Path, weights: Path) -> None
     store.record(llm(weights), 1024, 1, "f16", MEM)
     assert os.stat(path).st_ino != inode  # replaced by rename, never rewritten in place
     assert len(json.loads(path.read_text())["models"]) == 1
+
+
+def test_a_version_1_file_is_ignored(tmp_path: Path, weights: Path) -> None:
+    # Version 1 recorded LLMs at unload, prompt cache included (2.4x SmolLM2's own size).
+    path = tmp_path / "m.json"
+    store = MeasuredStore(path)
+    store.record(llm(weights), 4096, 1, "f16", MEM)
+    data = json.loads(path.read_text())
+    data["version"] = 1
+    path.write_text(json.dumps(data))
+    assert store.lookup(llm(weights), 4096, 1, "f16") is None
+    store.record(llm(weights), 4096, 1, "f16", ProcessMemory(MiB, MiB))
+    assert store.lookup(llm(weights), 4096, 1, "f16") == ProcessMemory(MiB, MiB)

@@ -1,7 +1,7 @@
 """Scheduler (loop.py) over a fake machine: loads, eviction, refusals, queues, keep-alive,
 crashes. The runner processes and the model layer are the faked edges; the scheduler is
 real. The fake machine's limit is 800 MiB (see scheduler_fakes.harness); loads are admitted
-up to its soft threshold, the load ceiling of 680 MiB (0.85 × 800)."""
+up to its load ceiling of 680 MiB (0.85 × 800), below the soft threshold (0.90)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from elbowroom.models.spec import ModelKind
 from elbowroom.units import MiB
 
 LIMIT = 800 * MiB
-CEILING = int(LIMIT * 0.85)  # 680 MiB exactly: the soft threshold, where admission stops
+CEILING = int(LIMIT * 0.85)  # 680 MiB exactly: the load ceiling, where admission stops
 
 A, B, C = spec("a", size_mib=300), spec("b", size_mib=300), spec("c", size_mib=300)
 BIG = spec("big", size_mib=550)
@@ -131,6 +131,21 @@ def test_memory_grown_while_serving_is_recorded_at_unload() -> None:
     run(scenario())
 
 
+def test_an_llm_is_remembered_at_load_not_at_unload() -> None:
+    async def scenario() -> None:
+        h = harness(LLM, actual={"llm": 150}, ctx=512)
+        await request(h, "llm")
+        key = ("llm", 512, 1, "f16")
+        assert h.measured.records[key].anonymous == 150 * MiB
+        # What an LLM grows into while serving is its prompt cache (a grant), not its own
+        # footprint: remembering it would inflate every later prediction.
+        h.runner("llm").nbytes = 600 * MiB
+        await h.sched.unload("llm")
+        assert h.measured.records[key].anonymous == 150 * MiB
+
+    run(scenario())
+
+
 # --- eviction
 
 
@@ -229,6 +244,7 @@ def test_507_body_has_the_numbers() -> None:
         assert body["needed"] == 900 * MiB
         assert body["limit"] == CEILING  # what admission is measured against
         assert body["memory_limit"] == LIMIT
+        assert body["memory_rule"] == "host" and "OS reserve" in body["memory_rule_why"]
         assert body["committed"] == 300 * MiB
         assert body["available"] == 380 * MiB  # 680 - 300
         assert body["evictable"] == 300 * MiB
@@ -274,9 +290,10 @@ def test_a_load_over_the_soft_threshold_is_507_when_nothing_is_evictable() -> No
     run(scenario())
 
 
-def test_soft_fraction_moves_the_load_ceiling() -> None:
+def test_load_fraction_moves_the_load_ceiling() -> None:
     async def scenario() -> None:
-        h = harness(A, M4, soft_fraction=0.9)  # ceiling 720 MiB: 700 fits beside A
+        # ceiling 720 MiB: 700 fits beside A
+        h = harness(A, M4, load_fraction=0.9, soft_fraction=0.93)
         await request(h, "a")
         await request(h, "m4")
         assert h.loaded() == ["a", "m4"] and h.sched.counters["evictions_load"] == 0
@@ -348,7 +365,7 @@ def test_memory_that_never_shows_up_ends_the_wait_at_the_deadline() -> None:
             await request(h, "b6")  # the limit shrank to the 450 MiB really available
         assert h.clock.now - before >= 2.0
         assert err.value.details["memory_limit"] == 450 * MiB
-        assert err.value.details["limit"] == int(450 * MiB * 0.85)  # its soft threshold
+        assert err.value.details["limit"] == int(450 * MiB * 0.85)  # its load ceiling
 
     run(scenario())
 
@@ -583,7 +600,7 @@ def test_unload_now_or_when_idle() -> None:
 
 def test_relieve_pressure_unloads_idle_models_lru_first() -> None:
     async def scenario() -> None:
-        # Admitted at 650 MiB predicted (under the 680 MiB soft threshold), but g really
+        # Admitted at 650 MiB predicted (under the 680 MiB load ceiling), but g really
         # takes 300 MiB: 700 MiB held, 20 MiB over soft; s1 (LRU) alone frees that.
         h = harness(
             spec("s1", size_mib=200), spec("s2", size_mib=200), spec("g", size_mib=250),
@@ -641,7 +658,8 @@ def test_memory_report_shape() -> None:
         report = h.sched.memory_report()
         assert report["limit"]["value"] == 800 * MiB
         assert report["limit"]["winner"] == "fraction"
-        assert report["thresholds"]["soft"] == int(800 * MiB * 0.85)
+        assert report["thresholds"]["soft"] == int(800 * MiB * 0.90)
+        assert report["limit"]["rule"] == "host" and report["limit"]["ceiling"] == CEILING
         assert report["committed"] == 300 * MiB and report["ceiling"] == CEILING
         assert report["available"] == CEILING - 300 * MiB
         assert report["pressure"] == "normal"
