@@ -340,7 +340,8 @@ class Scheduler:
         rec = Loaded(
             spec=spec,
             runner=runner,
-            predicted=plan.footprint.total,
+            predicted=plan.request.needed,
+            reserved=plan.footprint.working + plan.cache_grant,
             n_ctx=plan.n_ctx,
             kv_type=plan.kv_type,
             slots=plan.slots,

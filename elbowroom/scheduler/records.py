@@ -80,6 +80,9 @@ class Loaded:
     kv_type: str
     slots: int
     pinned: bool
+    # Bytes a ready model may still grow into beyond its at-load measurement: the working
+    # memory of serving and the prompt-cache grant (both budgeted, neither there at load).
+    reserved: int = 0
     phase: Phase = Phase.LOADING
     busy: int = 0
     last_used: float = 0.0  # clock seconds
@@ -105,4 +108,4 @@ class Loaded:
             return self.predicted
         now = self.measure()
         live = now.resident if now is not None else 0
-        return max(live, self.ready.measured.resident)
+        return max(live, self.ready.measured.resident + self.reserved)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elbowroom.config import Settings
+from elbowroom.models.estimate import prompt_cache_grant
 from elbowroom.models.spec import Footprint, ModelSpec
 from elbowroom.scheduler.inputs import Estimator, Measurements
 from elbowroom.scheduler.placement import Placement
@@ -24,6 +25,7 @@ class Plan:
     kv_type: str
     slots: int
     placement: Placement | None = None  # GPU offload (scheduler.offload_plan); None: CPU
+    cache_grant: int = 0  # bytes of RAM prompt cache granted to the engine (LLMs)
 
 
 def has_context(spec: ModelSpec) -> bool:
@@ -76,7 +78,13 @@ def plan_load(
         min_ctx=min(settings.min_ctx, n_ctx),
         per_token_q8=per_token_q8,
     )
-    return Plan(LoadRequest(spec.id, fp.total, cost), fp, n_ctx, kv_type, slots)
+    # The prompt cache takes only room that is free now: it never evicts another model and
+    # never squeezes the context (sized above); a tight budget gets a small grant or none.
+    committed = sum(m.bytes for m in state.models if m.id != spec.id)
+    wanted = settings.kv_ram_max if settings.kv_cache else 0
+    grant = prompt_cache_grant(state.limit - committed, fp, wanted)
+    request = LoadRequest(spec.id, fp.total + grant, cost)
+    return Plan(request, fp, n_ctx, kv_type, slots, cache_grant=grant)
 
 
 def start_options(settings: Settings, plan: Plan) -> dict[str, Any]:
@@ -89,7 +97,7 @@ def start_options(settings: Settings, plan: Plan) -> dict[str, Any]:
         "mlock": settings.mlock,
         "max_tokens_cap": settings.max_tokens_cap,
         # The engine's RAM prompt cache: a grant from the budget, never the engine's default.
-        "cache_ram_bytes": settings.kv_ram_max if settings.kv_cache else 0,
+        "cache_ram_bytes": plan.cache_grant,
         "kv_cache": settings.kv_cache,
         "kv_cache_dir": str(settings.kv_cache_path),
         "kv_disk_max": settings.kv_disk_max,

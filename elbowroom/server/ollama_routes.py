@@ -150,12 +150,13 @@ async def ps(request: Request) -> dict[str, Any]:
     return {"models": models, "memory": summary}
 
 
-@router.api_route("/pull", methods=["POST"])
-@router.api_route("/push", methods=["POST"])
-@router.api_route("/create", methods=["POST"])
-@router.api_route("/copy", methods=["POST"])
-@router.api_route("/delete", methods=["DELETE"])
-@router.api_route("/blobs/{digest}", methods=["HEAD", "POST"])
+@router.api_route("/pull", methods=["POST"], operation_id="ollama_pull")
+@router.api_route("/push", methods=["POST"], operation_id="ollama_push")
+@router.api_route("/create", methods=["POST"], operation_id="ollama_create")
+@router.api_route("/copy", methods=["POST"], operation_id="ollama_copy")
+@router.api_route("/delete", methods=["DELETE"], operation_id="ollama_delete")
+@router.api_route("/blobs/{digest}", methods=["HEAD"], operation_id="ollama_blobs_head")
+@router.api_route("/blobs/{digest}", methods=["POST"], operation_id="ollama_blobs_post")
 async def not_here(request: Request) -> Response:
     raise _NotImplementedHere(
         f"{request.method} {request.url.path} is not supported: elbowroom does not download, "
