@@ -62,6 +62,11 @@ def spawn_worker(
     return proc
 
 
+def _plain_text(delta: dict[str, Any]) -> bool:
+    """A delta that is only text (no tool calls, logprobs, ...): safe to concatenate."""
+    return isinstance(delta.get("text"), str) and delta.keys() <= {"type", "text"}
+
+
 def describe_exit(exitcode: int | None) -> str:
     """'exit code 1', 'killed by signal SIGKILL', ... (multiprocessing: -N means signal N)."""
     if exitcode is None:
@@ -255,14 +260,29 @@ class Supervisor:
         try:
             # A send to a dead process is fine: the exit notice arrives on the channel.
             self._send_quietly({"op": "run", "id": rid, "kind": kind, "payload": payload})
+            held: Any = None  # a message taken while merging, to handle next
             while True:
-                msg = await channel.get()
+                msg, held = (held, None) if held is not None else (await channel.get(), None)
                 if isinstance(msg, _Exited):
                     answered = True
                     raise self._crashed(msg.cause, stopped=msg.stopped)
                 event = msg.get("event")
                 if event == "delta":
-                    yield msg["data"]
+                    data = msg["data"]
+                    # Text deltas that queued up while the consumer was busy (a fast GPU, many
+                    # streams) leave as one: one SSE event and one write instead of several.
+                    while _plain_text(data) and not channel.empty():
+                        nxt = channel.get_nowait()
+                        if (
+                            isinstance(nxt, dict)
+                            and nxt.get("event") == "delta"
+                            and _plain_text(nxt["data"])
+                        ):
+                            data = {**data, "text": data["text"] + nxt["data"]["text"]}
+                        else:
+                            held = nxt
+                            break
+                    yield data
                 elif event == "done":
                     answered = True
                     yield {"type": "done", **msg["data"]}
