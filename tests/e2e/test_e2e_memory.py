@@ -25,6 +25,7 @@ pytestmark = pytest.mark.slow
 SMOL, GEMMA = "smollm2-135m", "gemma3-270m"
 HI = [{"role": "user", "content": "Hi"}]
 RESERVE = 512 * MiB
+NO_GRANT = {"ELBOWROOM_KV_RAM_MAX": "0"}
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,9 @@ class Measured:
 @pytest.fixture(scope="module")
 def measured(server_factory: ServerFactory, tmp_path_factory: pytest.TempPathFactory) -> Measured:
     home = tmp_path_factory.mktemp("measured")
-    server = server_factory("--ctx", "1024", home=home)
+    # No prompt-cache grant: the eviction arithmetic below is about the models' own bytes
+    # (a grant only takes free room, so it would shrink to fit and hide the eviction).
+    server = server_factory("--ctx", "1024", home=home, env=NO_GRANT)
     sizes = {}
     with server.http() as http:
         for model in (SMOL, GEMMA):
@@ -80,6 +83,7 @@ def limited_server(
         "1024",
         home=home,
         env={
+            **NO_GRANT,
             "ELBOWROOM_OVERRIDE_MEMORY": str(limit + RESERVE),
             "ELBOWROOM_CONTAINER_MARGIN": str(RESERVE),
         },
