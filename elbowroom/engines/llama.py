@@ -250,14 +250,22 @@ class LlamaEngine:
         stopped: list[str] = []
         pool = self._slot_pool
         assert pool is not None
-        slot = pool.acquire(_slot_key(body))
+        # A salted request (cache isolation) reuses no state and leaves none behind: no
+        # prompt cache, no slot reuse, no disk tier, and its slot is wiped afterwards.
+        isolated = bool(payload.get("cache_salt"))
+        slot = pool.acquire("" if isolated else _slot_key(body))
         body["id_slot"] = slot
+        if isolated:
+            body["cache_prompt"] = False
         with self._lock:
             self._active += 1
         try:
-            pool.prepare(slot, "chat" if chat else "completion", _template_body(body))
+            if not isolated:
+                pool.prepare(slot, "chat" if chat else "completion", _template_body(body))
             self._call(chat, body, state, emit, cancelled, stopped, emulated)
         finally:
+            if isolated:
+                pool.erase(slot)
             pool.release(slot)
             with self._lock:
                 self._active -= 1

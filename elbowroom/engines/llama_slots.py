@@ -121,6 +121,18 @@ class Slots:
         with self._lock:
             self._free.add(slot)
 
+    def erase(self, slot: int) -> None:
+        """Wipe ``slot``'s KV state (a cache-isolated request ran on it) and forget what it
+        served, so nothing of it is reused, moved to the prompt cache or saved to disk."""
+        with self._lock:
+            self._last_key[slot] = ""
+            self._tokens[slot] = ()
+            self._prompts.pop(slot, None)
+        try:
+            self._control.request("POST", f"/slots/{slot}?action=erase", {})
+        except (OSError, RuntimeError, ValueError) as exc:
+            log.warning("could not erase slot %d after an isolated request: %s", slot, exc)
+
     # ---- disk tier ---------------------------------------------------------------------
 
     def prepare(self, slot: int, op: str, body: dict[str, Any]) -> int:

@@ -78,6 +78,8 @@ class _Sampling(_Refusing):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     keep_alive: KeepAlive | None = None  # elbowroom's (Ollama's) own
+    # Cache isolation (vLLM's name): a salted request shares no KV state with any other.
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     user: str | None = None  # accepted and ignored
 
     @field_validator("n")
@@ -128,6 +130,7 @@ class _Sampling(_Refusing):
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "logit_bias": self.logit_bias,
+            "cache_salt": self.cache_salt,
         }
 
 

@@ -261,3 +261,18 @@ def test_the_engines_own_listener_is_private(engine: LlamaEngine) -> None:
     assert conn.getresponse().status == 401
     conn.close()
     assert "chat_template" in control.request("GET", "/props")  # with the key: answered
+
+
+@pytest.mark.slow
+def test_a_salted_request_shares_no_kv_state(engine: LlamaEngine) -> None:
+    """cache_salt: nothing is reused for it, and nothing of it is left for the next request
+    (which would otherwise reuse the whole shared prefix)."""
+    prompt = {"prompt": "The quick brown fox jumps over the lazy dog. " * 6, "temperature": 0}
+    first, _ = run(engine, "completion", {**prompt, "max_tokens": 2, "cache_salt": "alice"})
+    again, _ = run(engine, "completion", {**prompt, "max_tokens": 2, "cache_salt": "alice"})
+    assert first["usage"]["cached_tokens"] == 0 and again["usage"]["cached_tokens"] == 0
+    plain, _ = run(engine, "completion", {**prompt, "max_tokens": 2})
+    assert plain["usage"]["cached_tokens"] == 0  # the salted state was wiped, not cached
+    repeat, _ = run(engine, "completion", {**prompt, "max_tokens": 2})
+    assert repeat["usage"]["cached_tokens"] > 0  # unsalted requests still share
+    assert again["text"] == first["text"] == plain["text"]
