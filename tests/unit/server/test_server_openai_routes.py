@@ -135,6 +135,7 @@ def test_completions_both_ways(harness: Harness) -> None:
             "presence_penalty": None,
             "frequency_penalty": None,
             "logit_bias": None,
+            "cache_salt": None,
             "logprobs": None,
         },
     )
