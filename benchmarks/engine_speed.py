@@ -7,7 +7,9 @@ per-slot context, batch sizes and RAM prompt-cache size, in one run:
   process hosting ``xllamacpp.Server``);
 * llama-server: built from the llama.cpp source that the installed xllamacpp release
   vendors (its PyPI sdist), cached under ``~/.cache/elbowroom/llama-server-<version>/``;
-  the first run builds it (cmake, several minutes on 2 cores);
+  the first run builds it (cmake + a C++ compiler; 10-40 minutes on 2 busy cores), in two
+  CPU variants (``cpu_options``): ``llama-server:native`` (this CPU's instruction sets)
+  and ``llama-server:wheel`` (the PyPI wheel's), so a gap can be told apart from kernels;
 * xllamacpp in-process: ``xllamacpp.Server`` in this process with the parameters that
   elbowroom's engine gives it (``engines/llama.py``), called from one thread per stream.
 
@@ -25,7 +27,13 @@ min-max spread. Token counts are the ones each system reports (``usage``), check
 the content chunks received.
 
     .venv/bin/python benchmarks/engine_speed.py [--rounds 5] [--streams 1,4,8]
-        [--max-tokens 128] [--threads 2] [--ctx 2048]
+        [--max-tokens 128] [--threads 2] [--ctx 2048] [--baseline llama-server:native]
+        [--systems elbowroom,llama-server:native,llama-server:wheel,xllamacpp]
+        [--build-only]
+
+Targets (printed PASS/FAIL against ``--baseline``, and against every other system):
+elbowroom's aggregate tok/s >= 0.95x at every concurrency; its p95 TTFT at 4 streams
+<= 1.5x.
 
 Writes benchmarks/results/engine_speed.{md,json} (``--out`` to change).
 """
@@ -88,14 +96,55 @@ def cache_root() -> Path:
     return Path(base) / "elbowroom"
 
 
+# ggml's x86 instruction-set options and the /proc/cpuinfo flags each one needs.
+X86_OPTIONS = {
+    "GGML_SSE42": ("sse4_2",),
+    "GGML_AVX": ("avx",),
+    "GGML_AVX2": ("avx2",),
+    "GGML_F16C": ("f16c",),
+    "GGML_FMA": ("fma",),
+    "GGML_BMI2": ("bmi2",),
+    "GGML_AVX_VNNI": ("avx_vnni",),
+    "GGML_AVX512": ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"),
+    "GGML_AVX512_VBMI": ("avx512vbmi",),
+    "GGML_AVX512_VNNI": ("avx512_vnni",),
+    "GGML_AVX512_BF16": ("avx512_bf16",),
+}
+# What ggml turns on with GGML_NATIVE=OFF: the set the PyPI wheel reports.
+WHEEL_X86 = ("GGML_SSE42", "GGML_AVX", "GGML_AVX2", "GGML_F16C", "GGML_FMA", "GGML_BMI2")
+
+
+def cpu_options(cpu: str) -> list[str]:
+    """ggml's CPU options for a variant. Every option is spelled out, so reconfiguring the
+    one build folder for the other variant leaves nothing behind.
+
+    "wheel": the instruction sets of the PyPI wheel (``xllamacpp.get_system_info()``:
+    AVX, AVX2, F16C, FMA, BMI2), so both run the same kernels. "native": every set this
+    CPU reports that ggml uses, except AMX: on Linux x86 GGML_NATIVE=ON would also compile
+    ggml's AMX path, and where the kernel or hypervisor does not grant the AMX tile state
+    (this benchmark's VM reports ``amx_tile`` but ``ldtilecfg`` faults) llama-server
+    crashes on its first batch. Elsewhere (ARM, macOS) "native" is GGML_NATIVE=ON.
+    """
+    x86 = platform.machine().lower() in ("x86_64", "amd64") and Path("/proc/cpuinfo").is_file()
+    if not x86:
+        return [f"-DGGML_NATIVE={'ON' if cpu == 'native' else 'OFF'}"]
+    if cpu == "wheel":
+        on = set(WHEEL_X86)
+    else:
+        flags = set(Path("/proc/cpuinfo").read_text().split("\nflags", 1)[1].split("\n")[0].split())
+        on = {opt for opt, need in X86_OPTIONS.items() if flags.issuperset(need)}
+    amx = ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+    return [
+        "-DGGML_NATIVE=OFF",
+        *(f"-D{o}={'ON' if o in on else 'OFF'}" for o in X86_OPTIONS),
+        *amx,
+    ]
+
+
 def llama_server_binary(version: str, cpu: str) -> Path:
     """The cached llama-server of xllamacpp ``version``'s llama.cpp; built when missing.
 
-    ``cpu`` "native" builds with GGML_NATIVE=ON (every instruction set of this CPU);
-    "wheel" builds with GGML_NATIVE=OFF, which gives ggml's default x86 set (SSE3, AVX,
-    AVX2, F16C, FMA, BMI2): the set the PyPI wheel reports in ``get_system_info()``, so
-    the two run the same kernels.
-    """
+    ``cpu`` is "native" or "wheel" (``cpu_options``)."""
     home = cache_root() / f"llama-server-{version}"
     suffix = "" if cpu == "native" else f"-{cpu}"
     binary = home / f"llama-server{suffix}"
@@ -118,7 +167,7 @@ def llama_server_binary(version: str, cpu: str) -> Path:
     flags = [
         "-DCMAKE_BUILD_TYPE=Release",
         "-DBUILD_SHARED_LIBS=OFF",
-        f"-DGGML_NATIVE={'ON' if cpu == 'native' else 'OFF'}",
+        *cpu_options(cpu),
         "-DLLAMA_BUILD_SERVER=ON",
         "-DLLAMA_BUILD_TOOLS=ON",
         "-DLLAMA_CURL=OFF",
@@ -365,7 +414,9 @@ class Elbowroom(HttpSystem):
 class LlamaServer(HttpSystem):
     name = "llama-server"
 
-    def __init__(self, binary: Path, model: Path, home: Path, slots: int, ctx: int, threads: int):
+    def __init__(
+        self, binary: Path, cpu: str, model: Path, home: Path, slots: int, ctx: int, threads: int
+    ) -> None:
         port = _free_port()
         self.log = home / f"{binary.name}-{slots}.log"
         self.cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
@@ -374,14 +425,14 @@ class LlamaServer(HttpSystem):
         self.cmd += ["-np", str(slots), "-c", str(ctx * slots), "--no-kv-unified"]
         self.cmd += ["-t", str(threads), "-tb", str(threads), "-b", str(N_BATCH)]
         self.cmd += ["-ub", str(N_BATCH), "--cache-ram", str(CACHE_RAM_MIB), "--fit", "off"]
-        self.cmd += ["--no-context-shift", "-ngl", "0", "--no-webui", "--metrics"]
+        self.cmd += ["--no-context-shift", "--no-webui", "--metrics"]
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
                 self.cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
         super().__init__(f"http://127.0.0.1:{port}")
         _wait_http(self.url, self.proc, self.log, "/health")
-        self.setup = {"command": self.cmd}
+        self.setup = {"command": self.cmd, "ggml_cpu_options": cpu_options(cpu)}
 
     def cpu(self) -> dict[str, float]:
         return {"server": cpu_seconds(self.proc.pid)}
@@ -569,7 +620,7 @@ def start_systems(
             else:
                 cpu = name.partition(":")[2] or "native"
                 binary = llama_server_binary(args.xllamacpp_version, cpu)
-                server = LlamaServer(binary, model, home, slots, args.ctx, args.threads)
+                server = LlamaServer(binary, cpu, model, home, slots, args.ctx, args.threads)
                 server.name = name
                 started.append(server)
     except BaseException:
@@ -708,8 +759,11 @@ def write_report(result: dict[str, Any], out: Path) -> None:
         "Systems: **elbowroom** = `elbowroom serve` subprocess (FastAPI, SSE, runner process "
         "hosting `xllamacpp.Server`), read over HTTP; **llama-server** = built from the "
         f"llama.cpp source that xllamacpp {result['xllamacpp_version']} vendors (its sdist), "
-        "`llama-server:native` with GGML_NATIVE=ON, `llama-server:wheel` with GGML_NATIVE=OFF "
-        "(the instruction sets the PyPI wheel reports); both HTTP systems read with the same "
+        "`llama-server:native` with every instruction set of this CPU that ggml uses except "
+        "AMX (on this VM `ldtilecfg` faults: a GGML_NATIVE=ON build crashes on its first "
+        "batch), `llama-server:wheel` with the sets the PyPI wheel reports (AVX, AVX2, F16C, "
+        "FMA, BMI2; `setups` in the JSON has the exact options); both HTTP systems read with "
+        "the same "
         "httpx SSE client, one thread per stream; **xllamacpp** = `xllamacpp.Server` "
         "in-process with elbowroom's engine parameters and request body, one thread per "
         "stream, no HTTP.",
@@ -718,7 +772,11 @@ def write_report(result: dict[str, Any], out: Path) -> None:
         "request sent). TTFT = request sent → first content token, p50/p95 over a round's "
         "streams. Cells: median over rounds (min–max).",
         "",
-        f"Machine: {result['machine']}. CPU flags: wheel `{result['wheel_system_info']}`.",
+        f"Machine: {result['machine']}. CPU flags: wheel `{result['wheel_system_info']}`; "
+        f"OpenMP environment: {result['omp_env'] or 'libgomp defaults'}.",
+        "On a busy machine llama.cpp's OpenMP barriers spin while a descheduled peer "
+        "thread waits for a core, and any system's round can drop 10x or more: compare "
+        "medians of interleaved rounds, and record on a quiet machine.",
         f"Load average (1 min) over all rounds: {result['load_min']:.2f}–"
         f"{result['load_max']:.2f}, at start {result['loadavg_start']}, at end "
         f"{result['loadavg_end']}.",
@@ -844,6 +902,8 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "ctx": args.ctx,
         "cache_ram_mib": CACHE_RAM_MIB,
+        # libgomp's spin policy decides how a 2-thread decode behaves on a busy machine.
+        "omp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_"))},
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}",
         "loadavg_start": [round(x, 2) for x in load_start],
