@@ -376,15 +376,12 @@ class LlamaEngine:
         emulated = False
         if op == "completion":
             body["prompt"] = payload.get("prompt", "")
-        elif self._chat_template:
-            tool_plan = plan_tools(
-                {**body, "messages": payload.get("messages", [])}, self._native_tools
-            )
-            body, emulated = tool_plan.body, tool_plan.emulated
         else:
-            # No chat template: a plain transcript through the completion endpoint.
-            tool_plan = plan_tools({**body, "messages": payload.get("messages", [])}, False)
+            native = self._chat_template and self._native_tools
+            tool_plan = plan_tools({**body, "messages": payload.get("messages", [])}, native)
             body, emulated = tool_plan.body, tool_plan.emulated
+        if op == "chat" and not self._chat_template:
+            # No chat template: a plain transcript through the completion endpoint.
             body["prompt"] = _fallback_prompt(body.pop("messages"))
             body["stop"] = [*body.get("stop", []), *FALLBACK_STOPS]
             if "response_format" in body:
