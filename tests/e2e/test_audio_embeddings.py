@@ -45,6 +45,9 @@ def server(server_factory: ServerFactory) -> ServerProcess:
             "ELBOWROOM_MAX_SPEECH_CHARS": str(MAX_CHARS),
             "ELBOWROOM_MAX_EMBEDDING_INPUTS": str(MAX_INPUTS),
             "ELBOWROOM_RESIDENT_IDLE": "2",
+            # No RAM prompt-cache grant: the LLM's bytes are its own, on any machine (the
+            # grant is the free room up to 512 MiB, so it would depend on the machine).
+            "ELBOWROOM_KV_RAM_MAX": "0",
         },
     )
 
@@ -250,7 +253,8 @@ def test_mixed_requests_evict_idle_engines_within_the_limit(
         home=measured.home,
         env={
             "ELBOWROOM_OVERRIDE_MEMORY": str(limit_asked + RESERVE),
-            "ELBOWROOM_OS_RESERVE": str(RESERVE),
+            "ELBOWROOM_CONTAINER_MARGIN": str(RESERVE),
+            "ELBOWROOM_KV_RAM_MAX": "0",
         },
     )
     limit = int(limited.memory()["limit"]["value"])
