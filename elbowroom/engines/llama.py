@@ -252,7 +252,8 @@ class LlamaEngine:
                 code="memory_pressure",
             )
         if op == "open":
-            return self._open(str(payload.get("kind")), dict(payload.get("request") or {}))
+            request = dict(payload.get("request") or {})
+            return self._open(str(payload.get("kind")), request, bool(payload.get("stream")))
         body, emulated = self._body(op, payload)
         chat = op == "chat" and "messages" in body
         state = StreamState(chat=chat)
@@ -306,12 +307,12 @@ class LlamaEngine:
 
     # ---- direct streams (server/direct.py) ----------------------------------------------
 
-    def _open(self, op: str, payload: dict[str, Any]) -> dict[str, Any]:
-        """Prepare a streamed request that the server process reads straight from the
-        engine's private socket (no token crosses the runner pipe): pick and prepare its
-        slot, and hand back the engine request. Requests whose answer elbowroom must
-        rewrite on the way (emulated tools, the no-template transcript, logprobs) are
-        declined: the server runs them through ``run`` instead."""
+    def _open(self, op: str, payload: dict[str, Any], stream: bool) -> dict[str, Any]:
+        """Prepare a request that the server process sends to the engine's private socket
+        itself (no token crosses the runner pipe): pick and prepare its slot, and hand
+        back the engine request (``stream`` or one JSON answer). Requests whose answer
+        elbowroom must rewrite on the way (emulated tools, the no-template transcript,
+        logprobs) are declined: the server runs them through ``run`` instead."""
         if op not in ("chat", "completion"):
             raise BadRequest(f"the llama engine does not stream {op!r} (chat, completion)")
         body, emulated = self._body(op, payload)
@@ -324,6 +325,9 @@ class LlamaEngine:
         slot = pool.acquire("" if isolated else _slot_key(body))
         body["id_slot"] = slot
         body.pop("return_progress", None)  # progress chunks are for the in-runner path only
+        if not stream:
+            body["stream"] = False
+            body.pop("stream_options", None)
         if isolated:
             body["cache_prompt"] = False
         with self._lock:
