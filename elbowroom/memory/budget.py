@@ -42,7 +42,6 @@ __all__ = [
     "limit_to_dict",
     "memory_limit",
     "os_reserve",
-    "pressure_level",
     "ram_fraction",
     "rule_of",
 ]
@@ -319,11 +318,6 @@ def assess(snap: Snapshot, own_usage: int, limit: Limit, cfg: BudgetConfig) -> A
         found.append((Pressure.SOFT, "macOS memory pressure is warn"))
     level = max((lvl for lvl, _ in found), default=Pressure.NORMAL)
     return Assessment(level, tuple(why for _, why in found))
-
-
-def pressure_level(snap: Snapshot, own_usage: int, limit: Limit, cfg: BudgetConfig) -> Pressure:
-    """NORMAL / SOFT / HARD (see assess() for the signals)."""
-    return assess(snap, own_usage, limit, cfg).level
 
 
 @dataclass(frozen=True, slots=True)

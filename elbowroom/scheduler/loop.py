@@ -34,7 +34,7 @@ from elbowroom.errors import (
 )
 from elbowroom.memory import budget
 from elbowroom.memory.pools import Pool, memory_pools, pool_to_dict
-from elbowroom.memory.types import Pressure, Probe, Snapshot
+from elbowroom.memory.types import Probe, Snapshot
 from elbowroom.models.spec import Holding, ModelKind, ModelSpec
 from elbowroom.runtime.protocol import Runner, RunnerFactory
 from elbowroom.scheduler import offload_plan, policy
@@ -598,21 +598,6 @@ class Scheduler:
         """Unload the models whose keep-alive ran out; the ticker calls this every second."""
         ids = policy.expired(self._state(0), self._clock())
         await asyncio.gather(*(self._begin_stop(self._loaded[i], "keep_alive") for i in ids))
-        return ids
-
-    async def relieve_pressure(self, level: Pressure) -> list[str]:
-        """Unload idle models per ``policy.relieve`` (for the pressure guard)."""
-        snap, limit = self._observe()
-        excess = self._own_usage() - int(limit.soft)
-        ids = policy.relieve(self._state(limit.value), level, excess)
-        if ids:
-            log.warning(
-                "%s memory pressure (available %s): unloading %s",
-                level.label,
-                format_size(snap.available),
-                ", ".join(ids),
-            )
-        await asyncio.gather(*(self._begin_stop(self._loaded[i], "pressure") for i in ids))
         return ids
 
     def ps(self) -> list[dict[str, Any]]:

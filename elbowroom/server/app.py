@@ -8,8 +8,6 @@ the HTTP layer pass ready ``services`` instead; the app then neither starts nor 
 from __future__ import annotations
 
 import asyncio
-import importlib
-import importlib.util
 import logging
 import os
 import time
@@ -24,7 +22,15 @@ from elbowroom.config import Settings
 from elbowroom.errors import ElbowroomError
 from elbowroom.guard.admission import AdmissionMiddleware
 from elbowroom.memory.types import Probe
-from elbowroom.server import admin_routes, dashboard_routes, ollama_routes, openai_routes
+from elbowroom.server import (
+    admin_routes,
+    audio_routes,
+    dashboard_routes,
+    embeddings_routes,
+    metrics,
+    ollama_routes,
+    openai_routes,
+)
 from elbowroom.server.auth import ApiKeyMiddleware, Keys
 from elbowroom.server.deps import Services
 from elbowroom.server.errors import install_error_handlers
@@ -33,13 +39,6 @@ from elbowroom.server.metrics import MetricsMiddleware
 from elbowroom.server.origin import OriginMiddleware, OriginPolicy
 
 log = logging.getLogger("elbowroom.server")
-
-# Routers other modules own; included when present (each exposes ``router``).
-OPTIONAL_ROUTERS = (
-    "elbowroom.server.audio_routes",
-    "elbowroom.server.embeddings_routes",
-    "elbowroom.server.metrics",
-)
 
 OnReady = Callable[[Services], Awaitable[None] | None]
 
@@ -102,14 +101,10 @@ def create_app(
     app.include_router(admin_routes.router)
     app.include_router(ollama_routes.router)
     app.include_router(dashboard_routes.router)
-    for name in OPTIONAL_ROUTERS:
-        if _exists(name):
-            app.include_router(importlib.import_module(name).router)
+    app.include_router(audio_routes.router)
+    app.include_router(embeddings_routes.router)
+    app.include_router(metrics.router)
     return app
-
-
-def _exists(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
 
 
 def _guard_of(app: FastAPI) -> Any:

@@ -1,8 +1,8 @@
 """What every router shares: the app's services, error responses and ``keep_alive`` parsing.
 
-Routers written by other modules (audio, embeddings) import from here so that they look
-and fail like the OpenAI routes: ``get_scheduler(request)``, ``get_catalog(request)``,
-``get_settings(request)``, ``error_response(err)``, ``parse_keep_alive(value)``.
+Every router (OpenAI, Ollama, audio, embeddings, admin, dashboard) reads the services with
+``get_services(request)`` and parses ``keep_alive`` with ``parse_keep_alive(value)``, so they
+all look and fail alike; ``error_response(err)`` is the one error shape.
 """
 
 from __future__ import annotations
@@ -35,18 +35,6 @@ def get_services(request: Request) -> Services:
     if services is None:  # only between process start and the end of the lifespan startup
         raise Unavailable("the server is still starting; retry in a moment", retry_after=1.0)
     return services
-
-
-def get_settings(request: Request) -> Settings:
-    return get_services(request).settings
-
-
-def get_catalog(request: Request) -> Any:
-    return get_services(request).catalog
-
-
-def get_scheduler(request: Request) -> Any:
-    return get_services(request).scheduler
 
 
 def error_response(err: ElbowroomError) -> JSONResponse:

@@ -20,7 +20,6 @@ from elbowroom.errors import (
     RunnerBackoff,
     RunnerCrashed,
 )
-from elbowroom.memory.types import Pressure
 from elbowroom.models.spec import ModelKind
 from elbowroom.units import MiB
 
@@ -594,26 +593,6 @@ def test_unload_now_or_when_idle() -> None:
         await request(h, "a")
         result = await h.sched.unload("a")
         assert result == {"id": "a", "status": "unloaded", "freed": 300 * MiB}
-
-    run(scenario())
-
-
-def test_relieve_pressure_unloads_idle_models_lru_first() -> None:
-    async def scenario() -> None:
-        # Admitted at 650 MiB predicted (under the 680 MiB load ceiling), but g really
-        # takes 300 MiB: 700 MiB held, 20 MiB over soft; s1 (LRU) alone frees that.
-        h = harness(
-            spec("s1", size_mib=200), spec("s2", size_mib=200), spec("g", size_mib=250),
-            actual={"g": 300},
-        )  # fmt: skip
-        for model_id in ("s1", "s2", "g"):
-            await request(h, model_id)
-            h.clock.now += 1
-        assert h.loaded() == ["g", "s1", "s2"] and h.sched.counters["evictions_load"] == 0
-        assert await h.sched.relieve_pressure(Pressure.NORMAL) == []
-        assert await h.sched.relieve_pressure(Pressure.SOFT) == ["s1"]
-        assert h.loaded() == ["g", "s2"]
-        assert h.sched.counters["evictions_pressure"] == 1
 
     run(scenario())
 
