@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from elbowroom.cli.common import add_common, print_json, settings_from, table
-from elbowroom.config import Settings
+from elbowroom.config import KV_TYPES, Settings
 from elbowroom.errors import ElbowroomError
 from elbowroom.memory.budget import BudgetConfig, Fit, Limit, fits, limit_to_dict, memory_limit
 from elbowroom.memory.probe import default_probe
@@ -32,8 +32,6 @@ from elbowroom.models.estimate import (
 from elbowroom.models.measured import MeasuredStore
 from elbowroom.models.spec import Footprint, ModelSpec
 from elbowroom.units import format_size as fs
-
-KV_TYPES = ("f16", "q8_0", "q4_0")
 
 
 def _add_catalog_flags(p: argparse.ArgumentParser) -> None:

@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from elbowroom.config import KV_TYPES
 from elbowroom.engines.base import Cancelled, Emit
 from elbowroom.engines.llama_control import EngineControl
 from elbowroom.engines.llama_slots import Slots
@@ -38,13 +39,12 @@ from elbowroom.errors import (
     Unavailable,
 )
 from elbowroom.kvcache import CacheKey
+from elbowroom.memory.types import Pressure
 from elbowroom.models.estimate import CTX_CHECKPOINTS
 from elbowroom.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
-KV_TYPES = ("f16", "q8_0", "q4_0")
-HARD = 2  # pressure level at which generations are aborted
 # Prompt batches: the engine reports progress once per batch, which bounds how long a
 # cancellation waits during a long prefill. 512 is also the compute micro-batch.
 N_BATCH = 512
@@ -239,7 +239,7 @@ class LlamaEngine:
             raise EngineError("the model is not loaded")
         if op not in ("chat", "completion"):
             raise BadRequest(f"the llama engine does not serve {op!r} (chat, completion)")
-        if self._pressure() >= HARD:  # refuse before spending a prefill on it
+        if self._pressure() >= Pressure.HARD:  # refuse before spending a prefill on it
             raise MemoryPressure(
                 "memory pressure is hard: no new generation starts; retry later or free memory",
                 code="memory_pressure",
@@ -319,7 +319,7 @@ class LlamaEngine:
             if cancelled():
                 stopped.append("cancelled")
                 return True
-            if self._pressure() >= HARD:
+            if self._pressure() >= Pressure.HARD:
                 stopped.append("pressure")
                 return True
             return False

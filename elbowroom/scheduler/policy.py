@@ -25,14 +25,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from elbowroom.models.estimate import CTX_STEP
 from elbowroom.models.spec import Holding, ModelKind
 from elbowroom.units import format_size
 
 HOST = "host"  # the host RAM pool's name in shortfalls and refusals
-
-# Auto-sized contexts and suggested --ctx values are multiples of this (llama.cpp pads the
-# KV cache to 256 cells anyway, so a finer suggestion would not save anything).
-CTX_STEP = 256
 
 
 @dataclass(frozen=True, slots=True)
