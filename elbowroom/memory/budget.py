@@ -39,6 +39,7 @@ __all__ = [
     "assess",
     "container_margin",
     "fits",
+    "limit_of",
     "limit_to_dict",
     "memory_limit",
     "os_reserve",
@@ -251,7 +252,13 @@ def memory_limit(snap: Snapshot, own_usage: int, cfg: BudgetConfig) -> Limit:
             + (f" − safety margin {fs(safety)}" if rule == "host" else " (the container's own)"),
         )
     )
-    winner = min(cands, key=lambda c: c.value)  # the first listed wins a tie
+    return limit_of(cands, cfg, rule, rule_why)
+
+
+def limit_of(cands: list[Candidate], cfg: BudgetConfig, rule: Rule, rule_why: str) -> Limit:
+    """The smallest candidate (the first listed wins a tie) and the thresholds on it: one
+    place for the arithmetic every pool (host, unified, GPU) shares."""
+    winner = min(cands, key=lambda c: c.value)
     return Limit(
         value=winner.value,
         winner=winner.name,

@@ -33,7 +33,8 @@ from elbowroom.errors import (
     RunnerCrashed,
 )
 from elbowroom.memory import budget
-from elbowroom.memory.pools import Pool, memory_pools, pool_to_dict
+from elbowroom.memory.monitor import Monitor, Sample
+from elbowroom.memory.pools import pool_to_dict
 from elbowroom.memory.types import Probe, Snapshot
 from elbowroom.models.spec import Holding, ModelKind, ModelSpec
 from elbowroom.runtime.protocol import Runner, RunnerFactory
@@ -67,7 +68,6 @@ class Scheduler:
         runner_factory: RunnerFactory,
         measured: Measurements | None = None,
         clock: Callable[[], float] = time.monotonic,
-        own_usage: Callable[[], int] | None = None,
         sleep: Sleep = asyncio.sleep,
         estimator: Estimator | None = None,
         events: EventLog | None = None,
@@ -75,22 +75,25 @@ class Scheduler:
     ) -> None:
         """``catalog``, ``measured`` and ``estimator`` default to / are the model layer's
         Catalog, MeasuredStore and ``models.estimate``; ``probe``, ``runner_factory``,
-        ``clock``, ``sleep`` (waits while polling for memory) and ``own_usage`` (bytes our
-        runners hold; default: the sum of their ``measure()``) are the seams tests swap.
-        ``server_usage``: the server process's own anonymous bytes; they count as ours, in
-        the default ``own_usage`` and against the load ceiling."""
+        ``clock`` and ``sleep`` (waits while polling for memory) are the seams tests swap.
+        ``server_usage``: the server process's own anonymous bytes; they count as ours
+        (``own_usage()``) and against the load ceiling.
+
+        The scheduler builds the memory ``monitor`` (the one owner of the limit) over
+        ``probe`` and its own usage; the server starts its sampling thread."""
         self.settings = settings
         self._catalog = catalog
         self._probe = probe
         self._factory = runner_factory
         self._measured = measured
         self._clock = clock
-        self._own_usage = own_usage if own_usage is not None else self._runners_usage
         self._sleep = sleep
         self._server_usage = server_usage if server_usage is not None else _none
         self._last_server = 0  # the server bytes the last load decision left out
         self._estimate = estimator if estimator is not None else default_estimator()
-        self._budget = budget.BudgetConfig.from_settings(settings)
+        self.monitor = Monitor.from_settings(
+            settings, probe, own_usage=self.own_usage, own_gpu=self._gpu_usage, clock=clock
+        )
         # What happened, for the dashboard's timeline (loads, unloads, evictions, crashes).
         self.events = events if events is not None else EventLog()
         self._lanes: dict[str, Lane] = {}
@@ -104,9 +107,7 @@ class Scheduler:
         self.loads_paused = False  # set by the pressure guard (pause_loads)
         self._inflight: dict[str, InFlightRequest] = {}
         self._request_ids = itertools.count(1)
-        self._last_limit = 0  # the limit's value at the last observation, for state()
-        self._last_rule = ("host", "")  # which reserve rule that limit came from, and why
-        self._pools: tuple[Pool, ...] = ()  # host + GPU pools at the last observation
+        self._last: Sample | None = None  # the memory picture at the last decision
         # Read by the metrics module; plain ints so reading needs no lock.
         self.counters: dict[str, int] = {
             "loads": 0,
@@ -296,22 +297,17 @@ class Scheduler:
         await self._wait_unpaused(spec.id)
         while True:
             await self._drain_stops()
-            snap, limit = self._observe()
-            # Loads are admitted up to the load ceiling, below the soft threshold: a load that
-            # filled the budget would put the guard straight into a pressure episode (unloads,
-            # then aborts at hard) as soon as caches and contexts grow a little.
-            # The server process's own bytes (request bodies, Python) fill the same budget.
-            self._last_server = self._server_usage()
-            state = self._state(limit.ceiling - self._last_server)
+            sample = self._observe()
+            state = self._state()
             plan = plan_load(spec, self.settings, state, self._estimate, self._measured)
-            plan = offload_plan.place_on_gpus(plan, spec, self.settings, state, self._pools)
+            plan = offload_plan.place_on_gpus(plan, spec, self.settings, state, sample.pools)
             decision = policy.decide(state, plan.request)
             if isinstance(decision, policy.Admit):
                 return plan
             if isinstance(decision, policy.Refuse):
                 raise self._refusal(decision)
             if isinstance(decision, policy.Evict):
-                await self._evict(decision, snap, for_model=spec.id)
+                await self._evict(decision, sample.snapshot, for_model=spec.id)
                 continue
             now = self._clock()
             if wait_deadline is None:
@@ -416,8 +412,10 @@ class Scheduler:
             if refusal.suggestions:
                 message += ": " + "; or ".join(s.message for s in refusal.suggestions)
         details = refusal.details()
-        details["memory_limit"] = self._last_limit
-        details["memory_rule"], details["memory_rule_why"] = self._last_rule
+        limit = self._last.limit if self._last is not None else None
+        details["memory_limit"] = limit.value if limit is not None else 0
+        details["memory_rule"] = limit.rule if limit is not None else "host"
+        details["memory_rule_why"] = limit.rule_why if limit is not None else ""
         details["server_usage"] = server
         return InsufficientMemory(message, code="insufficient_memory", details=details)
 
@@ -596,7 +594,7 @@ class Scheduler:
 
     async def tick(self) -> list[str]:
         """Unload the models whose keep-alive ran out; the ticker calls this every second."""
-        ids = policy.expired(self._state(0), self._clock())
+        ids = policy.expired(self._state(), self._clock())
         await asyncio.gather(*(self._begin_stop(self._loaded[i], "keep_alive") for i in ids))
         return ids
 
@@ -605,18 +603,17 @@ class Scheduler:
         return [describe(rec, self._lanes.get(i), now) for i, rec in self._loaded.items()]
 
     def memory_report(self) -> dict[str, Any]:
-        snap, limit = self._observe()
-        own = self._own_usage()
-        assessment = budget.assess(snap, own, limit, self._budget)
+        sample = self._observe()
+        limit = sample.limit
         committed = sum(rec.held_bytes() for rec in self._loaded.values())
-        server = self._server_usage()
+        server = self._last_server
         return {
-            "snapshot": plain(snap),
+            "snapshot": plain(sample.snapshot),
             "limit": budget.limit_to_dict(limit),
             "thresholds": {"soft": limit.soft, "hard": limit.hard},
-            "pressure": assessment.level.label,
-            "pressure_reasons": list(assessment.reasons),
-            "own_usage": own,
+            "pressure": sample.level.label,
+            "pressure_reasons": list(sample.reasons),
+            "own_usage": sample.own_usage,
             "committed": committed,
             "ceiling": limit.ceiling,
             "server_usage": server,
@@ -627,13 +624,13 @@ class Scheduler:
                 if rec.phase is Phase.LOADING
             ],
             "loads_paused": self.loads_paused,
-            "pools": [pool_to_dict(p) for p in self._pools],
+            "pools": [pool_to_dict(p) for p in sample.pools],
         }
 
     def state(self) -> policy.State:
         """Loaded, loading and stopping models as the policy sees them (for the pressure
-        guard); ``limit`` is the value at the scheduler's last memory observation."""
-        return self._state(self._last_limit)
+        guard); its limits are those of the scheduler's last memory observation."""
+        return self._state()
 
     def runner(self, model_id: str) -> Runner | None:
         """The runner of a ready model, else None."""
@@ -653,23 +650,25 @@ class Scheduler:
 
     # ------------------------------------------------------------------ helpers
 
-    def _observe(self) -> tuple[Snapshot, budget.Limit]:
-        snap = self._probe()
-        gpu_ours = offload_plan.gpu_usage([self._model_pools(r) for r in self._loaded.values()])
-        self._pools = memory_pools(
-            snap,
-            self._own_usage(),
-            gpu_ours,
-            self._budget,
-            gpu_reserve_bytes=self.settings.gpu_reserve,
-            gpu_override=self.settings.override_gpu_memory,
-        )
-        # The host (or unified) pool's limit is budget.memory_limit's, plus the Metal wired
-        # limit as a candidate on Apple Silicon.
-        limit = self._pools[0].limit
-        self._last_limit = limit.value
-        self._last_rule = (limit.rule, limit.rule_why)
-        return snap, limit
+    def _observe(self) -> Sample:
+        """A fresh memory picture from the monitor; the policy's limits follow it."""
+        self._last_server = self._server_usage()
+        self._last = self.monitor.read()
+        return self._last
+
+    def own_usage(self) -> int:
+        """Bytes that are ours: what our runners hold now plus the server process's own
+        anonymous bytes. The one definition; the monitor samples it (from its thread, so
+        the records are copied before they are read)."""
+        total = self._server_usage()
+        for rec in list(self._loaded.values()):
+            mem = rec.measure()
+            total += mem.resident if mem is not None else 0
+        return total
+
+    def _gpu_usage(self) -> dict[int, int]:
+        """Our bytes per GPU index (for the monitor's GPU pools)."""
+        return offload_plan.gpu_usage([self._model_pools(r) for r in list(self._loaded.values())])
 
     def _model_pools(self, rec: Loaded) -> dict[str, int]:
         """Bytes ``rec`` holds per GPU pool: predicted while loading, then rescaled to what
@@ -677,7 +676,14 @@ class Scheduler:
         mem = rec.measure() if rec.phase is Phase.READY else None
         return offload_plan.model_pools(rec.placement, mem.gpu if mem is not None else None)
 
-    def _state(self, limit: int) -> policy.State:
+    def _state(self) -> policy.State:
+        """The policy's picture. ``State.limit`` is always the load ceiling of the last
+        observation less the server process's own bytes: loads are admitted up to the
+        ceiling, below the soft threshold (a load that filled the budget would start a
+        pressure episode as soon as caches and contexts grow a little), and the server's
+        bytes (request bodies, Python) fill the same budget. 0 before any observation."""
+        last = self._last
+        limit = max(0, last.limit.ceiling - self._last_server) if last is not None else 0
         models = []
         for rec in self._loaded.values():
             lane = self._lanes.get(rec.spec.id)
@@ -697,15 +703,9 @@ class Scheduler:
                     pools=self._model_pools(rec),
                 )
             )
-        gpu_limits = {p.name: p.ceiling for p in self._pools if p.kind == "gpu"}
+        pools = last.pools if last is not None else ()
+        gpu_limits = {p.name: p.ceiling for p in pools if p.kind == "gpu"}
         return policy.State(tuple(models), limit, gpu_limits)
-
-    def _runners_usage(self) -> int:
-        total = self._server_usage()
-        for rec in self._loaded.values():
-            mem = rec.measure()
-            total += mem.resident if mem is not None else 0
-        return total
 
     def _lane(self, model_id: str) -> Lane:
         lane = self._lanes.get(model_id)

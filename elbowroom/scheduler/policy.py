@@ -55,7 +55,9 @@ class ModelState:
 @dataclass(frozen=True, slots=True)
 class State:
     models: tuple[ModelState, ...]
-    limit: int  # the load ceiling: bytes our models may hold (below the soft threshold)
+    # The load ceiling less the server process's own bytes: what our models may hold (below
+    # the soft threshold). The scheduler always passes this, from its last observation.
+    limit: int
     pool_limits: Mapping[str, int] = field(default_factory=dict)  # GPU pools' ceilings
 
     @property

@@ -619,7 +619,8 @@ def test_guard_view_state_runner_and_inflight() -> None:
         models = {m.id: m for m in h.sched.state().models}
         assert models["a"].busy == 1 and models["b"].busy == 0
         assert models["a"].bytes == 300 * MiB and not models["a"].loading
-        assert h.sched.state().limit == LIMIT  # the guard's view: the limit itself
+        # State.limit means one thing everywhere: the load ceiling (less the server's bytes).
+        assert h.sched.state().limit == CEILING
         assert h.sched.runner("a") is h.runner("a") and h.sched.runner("c") is None
         (ticket,) = h.sched.inflight()
         assert ticket.model == "a" and ticket.kind is ModelKind.EMBEDDING
