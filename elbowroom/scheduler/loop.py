@@ -42,9 +42,10 @@ from elbowroom.scheduler import offload_plan, policy
 from elbowroom.scheduler.clients import current_client, queue_cap
 from elbowroom.scheduler.events import EventLog
 from elbowroom.scheduler.inputs import Estimator, Measurements, ModelCatalog, default_estimator
+from elbowroom.scheduler.planner import budget_state, plan_and_decide
 from elbowroom.scheduler.records import InFlightRequest, Lane, Loaded, Phase
 from elbowroom.scheduler.report import describe, plain
-from elbowroom.scheduler.sizing import Plan, plan_load, start_options
+from elbowroom.scheduler.sizing import Plan, start_options
 from elbowroom.units import format_size
 
 log = logging.getLogger("elbowroom.scheduler")
@@ -299,9 +300,9 @@ class Scheduler:
             await self._drain_stops()
             sample = self._observe()
             state = self._state()
-            plan = plan_load(spec, self.settings, state, self._estimate, self._measured)
-            plan = offload_plan.place_on_gpus(plan, spec, self.settings, state, sample.pools)
-            decision = policy.decide(state, plan.request)
+            plan, decision = plan_and_decide(
+                spec, self.settings, state, sample.pools, self._estimate, self._measured
+            )
             if isinstance(decision, policy.Admit):
                 return plan
             if isinstance(decision, policy.Refuse):
@@ -682,8 +683,6 @@ class Scheduler:
         ceiling, below the soft threshold (a load that filled the budget would start a
         pressure episode as soon as caches and contexts grow a little), and the server's
         bytes (request bodies, Python) fill the same budget. 0 before any observation."""
-        last = self._last
-        limit = max(0, last.limit.ceiling - self._last_server) if last is not None else 0
         models = []
         for rec in self._loaded.values():
             lane = self._lanes.get(rec.spec.id)
@@ -703,9 +702,10 @@ class Scheduler:
                     pools=self._model_pools(rec),
                 )
             )
-        pools = last.pools if last is not None else ()
-        gpu_limits = {p.name: p.ceiling for p in pools if p.kind == "gpu"}
-        return policy.State(tuple(models), limit, gpu_limits)
+        last = self._last
+        if last is None:
+            return policy.State(tuple(models), 0)
+        return budget_state(models, last.limit.ceiling, last.pools, self._last_server)
 
     def _lane(self, model_id: str) -> Lane:
         lane = self._lanes.get(model_id)
