@@ -76,7 +76,6 @@ class LlamaEngine:
         self._chat_template = False
         self._native_tools = False
         self._max_tokens_cap: int | None = None
-        self._seed: int | None = None
         self._pressure: Callable[[], int] = lambda: 0
         self._slot_pool: Slots | None = None
         self._cache_grant = 0  # bytes the engine's RAM prompt cache may hold
@@ -101,8 +100,6 @@ class LlamaEngine:
         self._pressure = options.get("pressure") or (lambda: 0)
         cap = options.get("max_tokens_cap")
         self._max_tokens_cap = int(cap) if cap else None
-        seed = options.get("seed")
-        self._seed = int(seed) if seed is not None else None
         self._chat_template = bool(spec.gguf is not None and spec.gguf.has_chat_template)
 
         control = self._control = EngineControl()
@@ -365,8 +362,6 @@ class LlamaEngine:
             max_tokens = min(max_tokens or self._max_tokens_cap, self._max_tokens_cap)
         if max_tokens:
             body["max_tokens"] = int(max_tokens)
-        if "seed" not in body and self._seed is not None:
-            body["seed"] = self._seed
         if op == "completion" and body.get("logprobs"):
             # /v1/completions' logprobs is the number of alternatives (legacy shape).
             body["n_probs"] = int(body.pop("logprobs"))
