@@ -6,12 +6,15 @@ from ``/proc/PID/smaps_rollup``)."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import psutil
 
 from elbowroom.memory.process import measure_pid
 from elbowroom.memory.types import ProcessMemory
+
+T = TypeVar("T")
 
 
 def wait_for(condition: Any, timeout: float, what: str) -> Any:
@@ -23,6 +26,17 @@ def wait_for(condition: Any, timeout: float, what: str) -> Any:
             return value
         time.sleep(0.1)
     raise SystemExit(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def readings(read: Callable[[], T], seconds: float = 3.0) -> list[T]:
+    """``read()`` every 0.25 s for ``seconds``: the server's monitor thread allocates and
+    frees a little, so the benchmarks report medians over a few seconds."""
+    out = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        out.append(read())
+        time.sleep(0.25)
+    return out
 
 
 def tree(pid: int) -> list[psutil.Process]:

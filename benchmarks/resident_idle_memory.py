@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 import openai
 import psutil
-from proctree import process_memory, tree, wait_for
+from proctree import process_memory, readings, tree, wait_for
 
 from elbowroom.units import MiB, format_size
 
@@ -72,17 +72,13 @@ def _what(proc: psutil.Process) -> str:
 
 def sample(pid: int, seconds: float = 3.0) -> dict[str, Any]:
     """Median over a few seconds: the server's monitor thread allocates and frees a little."""
-    readings = []
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        readings.append(tree_memory(pid))
-        time.sleep(0.25)
+    taken = readings(lambda: tree_memory(pid), seconds)
     return {
-        "anonymous": int(statistics.median(r["anonymous"] for r in readings)),
-        "file_backed": int(statistics.median(r["file_backed"] for r in readings)),
-        "pids": readings[-1]["pids"],
-        "parts": readings[-1]["parts"],
-        "samples": len(readings),
+        "anonymous": int(statistics.median(r["anonymous"] for r in taken)),
+        "file_backed": int(statistics.median(r["file_backed"] for r in taken)),
+        "pids": taken[-1]["pids"],
+        "parts": taken[-1]["parts"],
+        "samples": len(taken),
     }
 
 

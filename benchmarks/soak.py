@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 import openai
 import psutil
-from proctree import process_memory, wait_for
+from proctree import process_memory, readings, wait_for
 
 from elbowroom.units import MiB, format_size
 
@@ -73,20 +73,16 @@ def snapshot(pid: int) -> dict[str, Any]:
 
 def sample(pid: int, seconds: float = 3.0) -> dict[str, Any]:
     """Medians over a few seconds (the monitor thread allocates and frees a little)."""
-    readings = []
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        readings.append(snapshot(pid))
-        time.sleep(0.25)
-    last = readings[-1]
+    taken = readings(lambda: snapshot(pid), seconds)
+    last = taken[-1]
     return {
-        "anonymous": int(statistics.median(r["anonymous"] for r in readings)),
-        "server_anonymous": int(statistics.median(r["server_anonymous"] for r in readings)),
-        "fds": int(statistics.median(r["fds"] for r in readings)),
-        "threads": int(statistics.median(r["threads"] for r in readings)),
+        "anonymous": int(statistics.median(r["anonymous"] for r in taken)),
+        "server_anonymous": int(statistics.median(r["server_anonymous"] for r in taken)),
+        "fds": int(statistics.median(r["fds"] for r in taken)),
+        "threads": int(statistics.median(r["threads"] for r in taken)),
         "children": last["children"],
         "child_cmds": last["child_cmds"],
-        "samples": len(readings),
+        "samples": len(taken),
     }
 
 

@@ -214,7 +214,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     spec = ctx.catalog.get(args.model_id)
     s = ctx.settings
     verdict = ctx.plan(spec, ctx_flag=args.ctx is not None)
-    n_ctx, how, fp, fit = verdict.plan.n_ctx, verdict.how, verdict.plan.footprint, verdict.fit
+    fit = verdict.fit
     largest = (
         max_context(spec, ctx.limit.ceiling, s.slots_for(spec.id), s.kv_type, None, ctx.measured)
         if spec.gguf
@@ -222,11 +222,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     # The server's 507 suggestions, word for word.
     tips = [t.message for t in verdict.refusal.suggestions] if verdict.refusal else []
-    grant = verdict.plan.cache_grant
     if args.json:
-        print_json(_plan_dict(ctx, spec, n_ctx, how, fp, fit, largest, tips, grant))
+        print_json(_plan_dict(ctx, spec, verdict, largest, tips))
     else:
-        print(_plan_text(ctx, spec, n_ctx, how, fp, fit, largest, tips, grant))
+        print(_plan_text(ctx, spec, verdict, largest, tips))
     if not fit.ok:
         print(f"elbowroom: {spec.id} does not fit: {fit.reason}", file=sys.stderr)
         return 1
@@ -234,17 +233,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _plan_dict(
-    ctx: _Context,
-    spec: ModelSpec,
-    n_ctx: int,
-    how: str,
-    fp: Footprint,
-    fit: Fit,
-    largest: int,
-    tips: list[str],
-    grant: int,
+    ctx: _Context, spec: ModelSpec, verdict: _Verdict, largest: int, tips: list[str]
 ) -> dict[str, Any]:
     snap, s = ctx.snapshot, ctx.settings
+    n_ctx, how, fp, fit = verdict.plan.n_ctx, verdict.how, verdict.plan.footprint, verdict.fit
     return {
         "model": {
             "id": spec.id,
@@ -276,23 +268,17 @@ def _plan_dict(
         },
         "footprint": _footprint_dict(fp),
         "fit": asdict(fit),
-        "prompt_cache_grant": grant,
+        "prompt_cache_grant": verdict.plan.cache_grant,
         "suggestions": tips,
     }
 
 
 def _plan_text(
-    ctx: _Context,
-    spec: ModelSpec,
-    n_ctx: int,
-    how: str,
-    fp: Footprint,
-    fit: Fit,
-    largest: int,
-    tips: list[str],
-    grant: int,
+    ctx: _Context, spec: ModelSpec, verdict: _Verdict, largest: int, tips: list[str]
 ) -> str:
     snap, s, limit = ctx.snapshot, ctx.settings, ctx.limit
+    n_ctx, how, fp, fit = verdict.plan.n_ctx, verdict.how, verdict.plan.footprint, verdict.fit
+    grant = verdict.plan.cache_grant
     lines = [f"plan for {spec.id}: {spec.description or spec.path}", ""]
     memory = f"1. memory total {fs(snap.total)}"
     if snap.total != snap.host_total:
