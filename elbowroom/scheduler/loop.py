@@ -35,7 +35,8 @@ from elbowroom.scheduler.events import EventLog
 from elbowroom.scheduler.inputs import Estimator, Measurements, ModelCatalog, default_estimator
 from elbowroom.scheduler.lanes import Lanes
 from elbowroom.scheduler.records import InFlightRequest, Phase
-from elbowroom.scheduler.residency import Residency, Sleep, no_server_bytes
+from elbowroom.scheduler.residency import Residency, no_server_bytes
+from elbowroom.scheduler.settle import Sleep
 
 log = logging.getLogger("elbowroom.scheduler")
 

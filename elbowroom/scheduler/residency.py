@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import math
 import threading
@@ -39,19 +38,14 @@ from elbowroom.scheduler.inputs import Estimator, Measurements
 from elbowroom.scheduler.lanes import Lanes
 from elbowroom.scheduler.planner import budget_state, plan_and_decide
 from elbowroom.scheduler.records import Lane, Loaded, Phase
+from elbowroom.scheduler.refusal import insufficient_memory
+from elbowroom.scheduler.settle import POLL, Settle, Sleep
 from elbowroom.scheduler.sizing import Plan, start_options
 from elbowroom.units import format_size
 
 __all__ = ["Residency"]
 
 log = logging.getLogger("elbowroom.scheduler")
-
-POLL = 0.05  # seconds between probe readings while waiting for memory or busy models
-# Freed memory "shows up" when this share of the evicted anonymous bytes is available
-# again: other processes allocate meanwhile, and file-backed pages stay in the page cache.
-_SETTLE_FRACTION = 0.9
-
-Sleep = Callable[[float], Awaitable[None]]
 
 
 class Residency:
@@ -273,32 +267,8 @@ class Residency:
 
     def _refusal(self, refusal: policy.Refuse) -> InsufficientMemory:
         self.counters["refusals_507"] += 1
-        log.warning(
-            "refused %s: needs %s, available %s, evictable %s, limit %s, committed %s",
-            refusal.model,
-            format_size(refusal.needed),
-            format_size(refusal.available),
-            format_size(refusal.evictable),
-            format_size(refusal.limit),
-            format_size(refusal.committed),
-        )
-        server = self.last_server
-        message = refusal.message()
-        if server:
-            # The policy saw the ceiling less the server's own bytes: report the ceiling
-            # itself, and what the server holds of it.
-            refusal = dataclasses.replace(refusal, limit=refusal.limit + server)
-            bare = dataclasses.replace(refusal, suggestions=()).message()
-            message = f"{bare} (the server process itself holds {format_size(server)} of it)"
-            if refusal.suggestions:
-                message += ": " + "; or ".join(s.message for s in refusal.suggestions)
-        details = refusal.details()
         limit = self._last.limit if self._last is not None else None
-        details["memory_limit"] = limit.value if limit is not None else 0
-        details["memory_rule"] = limit.rule if limit is not None else "host"
-        details["memory_rule_why"] = limit.rule_why if limit is not None else ""
-        details["server_usage"] = server
-        return InsufficientMemory(message, code="insufficient_memory", details=details)
+        return insufficient_memory(refusal, self.last_server, limit)
 
     # ------------------------------------------------------------------ unloading
 
@@ -321,41 +291,9 @@ class Residency:
             [self._model_pools(self.loaded[i]) for i in decision.ids if i in self.loaded]
         )
         await asyncio.gather(*stops)
-        await self._settle(before.available, expected)
-        await self._settle_gpus(before, gpu_expected)
-
-    async def _settle(self, before_available: int, expected: int) -> None:
-        """Wait until ``expected`` freed bytes show up as available (or the deadline)."""
-        target = before_available + int(expected * _SETTLE_FRACTION)
-        deadline = self._clock() + self.settings.unload_settle_timeout
-        while True:
-            available = self._probe().available
-            if available >= target:
-                return
-            if self._clock() >= deadline:
-                log.warning(
-                    "freed memory did not show up within %.1f s (available %s, expected %s)",
-                    self.settings.unload_settle_timeout,
-                    format_size(available),
-                    format_size(target),
-                )
-                return
-            await self._sleep(POLL)
-
-    async def _settle_gpus(self, before: Snapshot, expected: dict[int, int]) -> None:
-        """Wait until the evicted runners' VRAM is free again in NVML (or the deadline): a
-        load sized on VRAM the driver has not handed back yet would be placed short."""
-        free0 = {g.index: g.free for g in before.gpus}
-        want = {i: free0[i] + int(b * _SETTLE_FRACTION) for i, b in expected.items() if i in free0}
-        deadline = self._clock() + self.settings.unload_settle_timeout
-        while want:
-            free = {g.index: g.free for g in self._probe().gpus}
-            if all(free.get(i, 0) >= target for i, target in want.items()):
-                return
-            if self._clock() >= deadline:
-                log.warning("freed VRAM did not show up within the settle timeout: %s", free)
-                return
-            await self._sleep(POLL)
+        waiter = Settle(self._probe, self._clock, self._sleep, self.settings.unload_settle_timeout)
+        await waiter.host(before.available, expected)
+        await waiter.gpus(before, gpu_expected)
 
     def begin_stop(self, rec: Loaded, reason: str) -> asyncio.Task[None]:
         """Mark ``rec`` STOPPING now (no await: nothing can pick it meanwhile) and stop it

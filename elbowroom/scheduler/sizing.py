@@ -1,7 +1,8 @@
 """What a load will cost: the context size of an LLM and the predicted footprint.
 
 Pure given its inputs (the estimate functions are pure; the measured store is read-only
-here). The loop turns the result into a ``policy.LoadRequest``.
+here). The plan carries the ``policy.LoadRequest`` that ``planner.plan_and_decide`` asks
+the policy about, after ``offload_plan`` placed it on the GPUs.
 """
 
 from __future__ import annotations
