@@ -179,12 +179,13 @@ class Monitor:
             pools=pools,
         )
 
-    def sample_now(self) -> Sample:
-        """Take one sample synchronously, record it and hand it to the subscriber; errors
-        from the probe propagate."""
+    def sample_now(self, record: bool = True) -> Sample:
+        """Take one sample synchronously, record it (unless ``record`` is False) and hand it
+        to the subscriber; errors from the probe propagate."""
         sample = self.read()
-        with self._lock:
-            self._history.append(sample)
+        if record:
+            with self._lock:
+                self._history.append(sample)
         if self._on_sample is not None:
             self._on_sample(sample)
         return sample

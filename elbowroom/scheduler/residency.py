@@ -172,11 +172,7 @@ class Residency:
         await self._wait_unpaused(spec.id)
         while True:
             await self.drain_stops()
-            sample = self.observe()
-            state = self.state()
-            plan, decision = plan_and_decide(
-                spec, self.settings, state, sample.pools, self._estimate, self._measured
-            )
+            sample, state, plan, decision = self.consider(spec)
             if isinstance(decision, policy.Admit):
                 return plan
             if isinstance(decision, policy.Refuse):
@@ -191,6 +187,16 @@ class Residency:
             if now >= wait_deadline:
                 raise self._refusal(policy.refuse(state, plan.request))
             await self._sleep(POLL)
+
+    def consider(self, spec: ModelSpec) -> tuple[Sample, policy.State, Plan, policy.Decision]:
+        """A fresh memory picture and what a load of ``spec`` would meet in it now: the
+        plan and the policy's decision, with nothing acted on."""
+        sample = self.observe()
+        state = self.state()
+        plan, decision = plan_and_decide(
+            spec, self.settings, state, sample.pools, self._estimate, self._measured
+        )
+        return sample, state, plan, decision
 
     async def _wait_unpaused(self, model_id: str) -> None:
         if not self.loads_paused:
