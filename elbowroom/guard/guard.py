@@ -20,6 +20,7 @@ import logging
 import math
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -40,6 +41,7 @@ from elbowroom.guard.ladder import (
     next_gate,
     plan,
 )
+from elbowroom.guard.watch import PressureWatch, open_sources
 from elbowroom.memory.monitor import Sample
 from elbowroom.memory.types import Pressure
 from elbowroom.units import format_size
@@ -144,6 +146,7 @@ class PressureGuard:
         self._pending: Sample | None = None
         self._wake = asyncio.Event()
         self._worker: asyncio.Task[None] | None = None
+        self.watch: PressureWatch | None = None
 
     # --- lifetime --------------------------------------------------------------------
 
@@ -153,7 +156,27 @@ class PressureGuard:
         if self._worker is None:
             self._worker = asyncio.create_task(self._run(), name="elbowroom-pressure-guard")
 
+    def watch_with(
+        self, sample: Callable[[bool], object], fast_interval: float = 0.1
+    ) -> PressureWatch:
+        """Start the pressure watch (``watch.py``): kernel events and fast sampling under
+        pressure call ``sample`` (the monitor's ``sample_now``), whose samples come back
+        through ``on_sample``."""
+        if self.watch is None:
+            self.watch = PressureWatch(
+                sample, self._level, open_sources(), fast_interval=max(0.02, fast_interval)
+            )
+            self.watch.start()
+        return self.watch
+
+    def _level(self) -> Pressure:
+        sample = self.latest
+        return sample.level if sample is not None else Pressure.NORMAL
+
     async def close(self) -> None:
+        watch, self.watch = self.watch, None
+        if watch is not None:
+            await asyncio.to_thread(watch.stop)
         worker, self._worker = self._worker, None
         if worker is not None:
             worker.cancel()
@@ -176,6 +199,8 @@ class PressureGuard:
             loop.call_soon_threadsafe(self._offer, sample)
 
     def _offer(self, sample: Sample) -> None:
+        if self.watch is not None and sample.level > self._level():
+            self.watch.nudge()  # fast samples from now on, not from the next kernel event
         self.latest = sample
         self._pending = sample
         self._wake.set()
@@ -351,6 +376,15 @@ class PressureGuard:
             "aborting": self.aborting(),
             "unloading": sorted(self._unloading),
             "aborts_this_episode": self._gate.aborts,
+            "watch": (
+                {
+                    "sources": self.watch.sources,
+                    "wakeups": self.watch.wakeups,
+                    "fast_samples": self.watch.fast_samples,
+                }
+                if self.watch is not None
+                else None
+            ),
             "counters": [
                 {"action": k, "reason": r, "count": n}
                 for (k, r), n in sorted(self.counters.items())

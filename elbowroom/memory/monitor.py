@@ -88,8 +88,10 @@ class Monitor:
         with self._lock:
             return list(self._history)
 
-    def sample_now(self) -> Sample:
-        """Take one sample synchronously; errors from the probe propagate."""
+    def sample_now(self, record: bool = True) -> Sample:
+        """Take one sample synchronously; errors from the probe propagate. ``record=False``
+        (the pressure watch's fast samples) hands it on without keeping it in the history,
+        whose length is counted in ``interval``s."""
         snap = self._probe()
         own = self._own_usage()
         limit = memory_limit(snap, own, self._cfg)
@@ -103,8 +105,9 @@ class Monitor:
             level=verdict.level,
             reasons=verdict.reasons,
         )
-        with self._lock:
-            self._history.append(sample)
+        if record:
+            with self._lock:
+                self._history.append(sample)
         if self._on_sample is not None:
             self._on_sample(sample)
         return sample

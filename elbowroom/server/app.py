@@ -138,6 +138,8 @@ async def start_services(settings: Settings, *, probe: Probe | None = None) -> S
     catalog = discover(settings)
     for model_id in (*settings.preload, *settings.pin):
         catalog.get(model_id)  # ModelNotFound names the id
+    # The pressure watch listens to this machine's kernel: not for an injected probe.
+    default_probe_used = probe is None
     if probe is None:
         probe = default_probe(settings)
     scheduler = Scheduler(
@@ -161,6 +163,8 @@ async def start_services(settings: Settings, *, probe: Probe | None = None) -> S
     try:
         await guard.start()
         monitor.start()
+        if settings.memory_guard and settings.pressure_events and default_probe_used:
+            guard.watch_with(monitor.sample_now, settings.pressure_fast_interval)
         await scheduler.start()  # loads settings.preload
         for model_id in settings.pin:
             try:
