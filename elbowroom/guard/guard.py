@@ -235,6 +235,7 @@ class PressureGuard:
             reading=reading,
             gate=self._gate,
             retry_after=self._retry_after,
+            unloading=frozenset(m for m, p in self._unloading.items() if not p.task.done()),
         )
         self._gate = next_gate(self._gate, sample.level, actions)
         self._prev = sample.level
@@ -283,7 +284,7 @@ class PressureGuard:
             self._target.set_pressure(action.model, action.level)
         elif isinstance(action, Unload):
             model = action.model
-            reason = "pinned" if action.pinned else reason
+            reason = "pinned" if action.pinned else "busy" if action.busy else reason
             pending = _Unloading(action.bytes, asyncio.create_task(self._unload(action.model)))
             pending.task.add_done_callback(functools.partial(_mark_done, pending))
             self._unloading[action.model] = pending

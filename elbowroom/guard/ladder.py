@@ -21,9 +21,15 @@ The rungs, in order (each level does everything the levels below it do):
   + Retry-After until back under soft; unload every idle unpinned model; then abort ONE
   generation per sample (first the newest: least work lost; then the largest: most memory
   freed), and only when the unloads in progress cannot get usage under the hard threshold.
+  An abort frees little by itself (an LLM's KV cache is allocated when it loads), so when
+  usage is over the hard threshold in bytes the aborted model is unloaded too, as soon as
+  its requests have ended (its runner stays at level 2 meanwhile, refusing new work): a
+  503 with Retry-After now instead of the kernel's OOM killer a moment later, which takes
+  whatever it picks (a runner with all its requests, or someone else's process).
   While an abort has not landed yet, no second one is chosen; a PSI-driven hard episode
-  (usage under the hard threshold in bytes) aborts at most one. Idle *pinned* models go
-  only at hard when nothing else is left to free.
+  (usage under the hard threshold in bytes) aborts at most one and evicts nothing. Idle
+  *pinned* models go only at hard when nothing else is left to free; a busy pinned model
+  has its generation aborted but is never evicted.
 """
 
 from __future__ import annotations
@@ -128,9 +134,12 @@ class Unload:
     usage: int
     threshold: int  # the threshold usage is over
     pinned: bool = False
+    busy: bool = False  # evicted with its generations aborted: goes once they have ended
 
     def message(self) -> str:
         what = "pinned model" if self.pinned else "idle model"
+        if self.busy:
+            what = "busy model (its generations aborted)"
         return (
             f"unloading {what} {self.model} ({format_size(self.bytes)}) at "
             f"{self.level.label} pressure: {_over(self.usage, self.threshold, self.level.label)}"
@@ -204,8 +213,10 @@ def plan(
     reading: Reading,
     gate: Gate,
     retry_after: float = 5.0,
+    unloading: frozenset[str] = frozenset(),
 ) -> list[Action]:
-    """The actions for one sample at ``level`` (``prev``: the previous sample's level).
+    """The actions for one sample at ``level`` (``prev``: the previous sample's level;
+    ``unloading``: models the guard's unloads are still taking away, left alone).
 
     Order matters and is the order to apply them in: gates first (so nothing new starts
     while memory is being freed), then runner levels, unloads, and at most one abort.
@@ -226,7 +237,8 @@ def plan(
         if not gate.admission_open:
             actions.append(OpenAdmission(reading.usage, reading.soft))
 
-    unloads = _unloads(level, prev, models, reading) if soft_or_worse else []
+    candidates = [m for m in models if m.id not in unloading]
+    unloads = _unloads(level, prev, candidates, reading) if soft_or_worse else []
     freed = sum(u.bytes for u in unloads)
 
     abort: Abort | None = None
@@ -234,12 +246,15 @@ def plan(
         abort = _abort(inflight, gate.aborts, reading, freed)
         nothing_else = freed == 0 and reading.freeing == 0
         if abort is None and nothing_else and not any(i.aborting for i in inflight):
-            unloads = _pinned_unloads(models, reading)
+            unloads = _pinned_unloads(candidates, reading)
+        evict = _evict(abort, candidates, reading, freed)
+        if evict is not None:
+            unloads.append(evict)
 
-    aborting_models = {i.model for i in inflight if i.aborting}
+    aborting_models = {i.model for i in inflight if i.aborting} | set(unloading)
     if abort is not None:
         aborting_models.add(abort.model)
-    gone = {u.model for u in unloads}
+    gone = {u.model for u in unloads if not u.busy}
     for m in models:
         if not m.llm or m.id in gone:
             continue
@@ -282,6 +297,19 @@ def _prefix(order: Sequence[LoadedModel], need: int) -> list[LoadedModel]:
         taken.append(m)
         freed += m.bytes
     return taken
+
+
+def _evict(
+    abort: Abort | None, models: Sequence[LoadedModel], reading: Reading, freed: int
+) -> Unload | None:
+    """The aborted generation's model, unloaded once its requests end: when usage is over
+    the hard threshold in bytes and the idle unloads do not cover it."""
+    if abort is None or reading.usage - reading.hard <= freed:
+        return None
+    m = next((m for m in models if m.id == abort.model), None)
+    if m is None or m.pinned:
+        return None
+    return Unload(m.id, m.bytes, Pressure.HARD, reading.usage, reading.hard, busy=m.busy > 0)
 
 
 def _pinned_unloads(models: Sequence[LoadedModel], reading: Reading) -> list[Unload]:

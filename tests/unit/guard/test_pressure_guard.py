@@ -139,18 +139,19 @@ async def test_one_abort_at_a_time_newest_then_largest() -> None:
     assert guard.aborting() == {"r-small": "small"}
     assert ("set_pressure", "small", Pressure.HARD) in target.calls
     assert ("set_pressure", "big", Pressure.SOFT) in target.calls
+    await settle()
+    assert ("unload", "small") in target.calls  # over hard in bytes: its model goes too
+    assert guard.counters[("unload", "busy")] == 1
 
     # the abort has not landed yet: the next hard sample chooses nothing new
     target.calls.clear()
     await guard.apply(sample(990, Pressure.HARD, at=2))
     assert guard.aborting() == {"r-small": "small"} and target.calls == []
 
-    # it landed (the request is gone): the largest is next, the first runner goes back to 1
+    # it landed (the request is gone): the largest is next
     target.running = target.running[:1]
-    target.loaded = [replace(target.loaded[0], busy=0, pinned=True), target.loaded[1]]
     await guard.apply(sample(990, Pressure.HARD, at=3))
     assert guard.aborting() == {"r-big": "big"}
-    assert ("set_pressure", "small", Pressure.SOFT) in target.calls
     assert ("set_pressure", "big", Pressure.HARD) in target.calls
     assert guard.counters[("abort", "newest")] == 1 and guard.counters[("abort", "largest")] == 1
 
