@@ -43,6 +43,7 @@ class SchedulerTarget:
                     pinned=m.pinned,
                     llm=m.kind is ModelKind.LLM,
                     runner_level=self._levels.get(runner, Pressure.NORMAL),
+                    pools=tuple(sorted((p, b) for p, b in m.pools.items() if b > 0)),
                 )
             )
         return out

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from elbowroom.errors import MemoryPressure
+from elbowroom.guard.gpu import GpuBudget
 from elbowroom.guard.ladder import (
     Abort,
     Action,
@@ -34,6 +35,7 @@ from elbowroom.guard.ladder import (
     LoadedModel,
     OpenAdmission,
     PauseLoads,
+    PoolReading,
     Reading,
     ResumeLoads,
     SetPressure,
@@ -131,8 +133,11 @@ class PressureGuard:
         enabled: bool = True,
         retry_after: float = 5.0,
         events: int = 1000,
+        gpu: GpuBudget | None = None,
     ) -> None:
         self._target = target
+        self._gpu = gpu  # None: no GPU pools are watched (no NVIDIA GPU, or tests)
+        self._level_now = Pressure.NORMAL  # the highest pool's level at the last sample
         self.enabled = enabled
         self._retry_after = retry_after
         self._gate = Gate()
@@ -170,8 +175,10 @@ class PressureGuard:
         return self.watch
 
     def _level(self) -> Pressure:
+        """The highest pool's level at the last applied sample (host and GPUs), or the
+        latest sample's host level when that is higher (it has not been applied yet)."""
         sample = self.latest
-        return sample.level if sample is not None else Pressure.NORMAL
+        return max(self._level_now, sample.level if sample is not None else Pressure.NORMAL)
 
     async def close(self) -> None:
         watch, self.watch = self.watch, None
@@ -227,6 +234,8 @@ class PressureGuard:
         reading = reading_of(sample, self._freeing(sample))
         models = self._target.models()
         inflight = self._inflight({m.id: m.bytes for m in models})
+        unloading = frozenset(m for m, p in self._unloading.items() if not p.task.done())
+        gpus = self._gpu_readings(sample, models, unloading)
         actions = plan(
             sample.level,
             self._prev,
@@ -235,13 +244,29 @@ class PressureGuard:
             reading=reading,
             gate=self._gate,
             retry_after=self._retry_after,
-            unloading=frozenset(m for m, p in self._unloading.items() if not p.task.done()),
+            unloading=unloading,
+            gpus=gpus,
         )
-        self._gate = next_gate(self._gate, sample.level, actions)
+        self._level_now = max([sample.level, *(g.level for g in gpus)])
+        self._gate = next_gate(self._gate, self._level_now, actions)
         self._prev = sample.level
         for action in actions:
             self._apply(action, sample, reading)
         return actions
+
+    def _gpu_readings(
+        self, sample: Sample, models: list[LoadedModel], unloading: frozenset[str]
+    ) -> list[PoolReading]:
+        if self._gpu is None or not sample.snapshot.gpus:
+            return []
+        ours: Counter[str] = Counter()
+        going: Counter[str] = Counter()
+        for m in models:
+            for pool, n in m.pools:
+                ours[pool] += n
+                if m.id in unloading:
+                    going[pool] += n
+        return self._gpu.readings(sample.snapshot, ours, going)
 
     def _inflight(self, sizes: dict[str, int]) -> list[InFlight]:
         """In-flight requests with their runner's bytes (``sizes``, when the target left them

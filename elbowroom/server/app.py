@@ -127,6 +127,7 @@ async def start_services(settings: Settings, *, probe: Probe | None = None) -> S
     load what ``preload`` / ``pin`` ask for. Unknown ids there stop the start (a typo should
     not go unnoticed); a model that cannot be loaded is logged and served later on demand."""
     from elbowroom.guard.adapter import SchedulerTarget
+    from elbowroom.guard.gpu import GpuBudget
     from elbowroom.guard.guard import PressureGuard
     from elbowroom.memory.budget import BudgetConfig
     from elbowroom.memory.monitor import Monitor
@@ -150,11 +151,13 @@ async def start_services(settings: Settings, *, probe: Probe | None = None) -> S
         measured=_measured_store(settings),
         server_usage=SERVER_BYTES,
     )
-    guard = PressureGuard(SchedulerTarget(scheduler), enabled=settings.memory_guard)
+    budget_cfg = BudgetConfig.from_settings(settings)
+    gpu = GpuBudget(budget_cfg, settings.gpu_reserve, settings.override_gpu_memory)
+    guard = PressureGuard(SchedulerTarget(scheduler), enabled=settings.memory_guard, gpu=gpu)
     monitor = Monitor(
         probe,
         own_usage=_runners_resident,
-        cfg=BudgetConfig.from_settings(settings),
+        cfg=budget_cfg,
         interval=settings.monitor_interval,
         history_seconds=settings.monitor_history,
         on_sample=guard.on_sample,

@@ -10,6 +10,7 @@ from elbowroom.guard.ladder import (
     LoadedModel,
     OpenAdmission,
     PauseLoads,
+    PoolReading,
     Reading,
     ResumeLoads,
     SetPressure,
@@ -237,3 +238,52 @@ def test_a_model_being_evicted_is_left_alone_and_kept_at_level_2() -> None:
     )
     assert [u.model for u in of(Unload, actions)] == ["other"]
     assert of(SetPressure, actions) == []  # stays at 2: queued requests are refused
+
+
+def gpu(level: Pressure, ours_mib: int, soft: int = 850, hard: int = 950) -> PoolReading:
+    return PoolReading("gpu0", level, Reading(ours_mib * MiB, 1000 * MiB, soft * MiB, hard * MiB))
+
+
+def test_a_hard_gpu_pool_aborts_and_unloads_gpu_work_first() -> None:
+    # host RAM is fine; gpu0 is over its hard threshold
+    models = [
+        model("cpu-idle", 300, 0.5),  # the LRU idle model, but it holds nothing on the GPU
+        model("gpu-idle", 50, 2.0, pools=(("gpu0", 400 * MiB),)),
+        model("cpu-llm", 300, 3.0, busy=1, llm=True),
+        model("gpu-llm", 100, 3.0, busy=1, llm=True, pools=(("gpu0", 500 * MiB),)),
+    ]
+    inflight = [
+        InFlight("on-gpu", "gpu-llm", 1.0, 100 * MiB),
+        InFlight("on-cpu", "cpu-llm", 9.0, 300 * MiB),  # the newest: the host's first pick
+    ]
+    actions = plan(N, N, inflight, models, reading=reading(500), gate=Gate(), gpus=[gpu(H, 990)])
+    # the gates follow the GPU's level, with its numbers
+    assert of(PauseLoads, actions) == [PauseLoads(H, 990 * MiB, 850 * MiB)]
+    assert of(CloseAdmission, actions) == [CloseAdmission(5.0, 990 * MiB, 950 * MiB)]
+    # the idle model on the GPU goes (400 MiB of VRAM), not the host's LRU one ...
+    unloads = of(Unload, actions)
+    assert [(u.model, u.pool, u.bytes) for u in unloads] == [("gpu-idle", "gpu0", 50 * MiB)]
+    assert "on gpu0" in unloads[0].message()
+    # ... and 400 MiB covers the 40 MiB over hard: no abort needed
+    assert of(Abort, actions) == []
+
+    # nothing idle on the GPU: the generation on the GPU is aborted, not the newer CPU one
+    busy_only = [m for m in models if m.id != "gpu-idle"]
+    actions = plan(N, N, inflight, busy_only, reading=reading(500), gate=Gate(), gpus=[gpu(H, 990)])
+    aborts = of(Abort, actions)
+    assert [(a.request_id, a.pool) for a in aborts] == [("on-gpu", "gpu0")]
+    assert "on gpu0" in aborts[0].message()
+    # over hard in VRAM bytes: the GPU model is evicted once its requests end
+    assert [(u.model, u.busy) for u in of(Unload, actions)] == [("gpu-llm", True)]
+    # its runner gets level 2; the CPU model only level 1 (the gate is hard, its work runs)
+    assert set(of(SetPressure, actions)) == {
+        SetPressure("gpu-llm", H, N),
+        SetPressure("cpu-llm", S, N),
+    }
+
+
+def test_host_hard_still_aborts_when_no_gpu_is_under_pressure() -> None:
+    models = [model("cpu-llm", 300, 3.0, busy=1, llm=True)]
+    inflight = [InFlight("on-cpu", "cpu-llm", 9.0, 300 * MiB)]
+    actions = plan(H, S, inflight, models, reading=reading(990), gate=Gate(), gpus=[gpu(N, 100)])
+    assert [(a.request_id, a.pool) for a in of(Abort, actions)] == [("on-cpu", "host")]
