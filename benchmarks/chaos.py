@@ -572,6 +572,11 @@ def level_seconds(history: list[dict[str, Any]]) -> dict[str, float]:
     return {k: round(v, 1) for k, v in out.items()}
 
 
+def _dropped(x: Result) -> bool:
+    """A connection refused or reset (the server killed), not a client timeout."""
+    return x.status == 0 and x.error == "APIConnectionError"
+
+
 def summarize(r: Run) -> dict[str, Any]:
     outcomes = [outcome(x) for x in r.results]
     served = [x for x, o in zip(r.results, outcomes, strict=True) if o == "served"]
@@ -597,7 +602,7 @@ def summarize(r: Run) -> dict[str, Any]:
         "lost_to_kills": sum(
             1
             for x, o in zip(r.results, outcomes, strict=True)
-            if o == "failed" and (x.error.endswith("runner_crashed") or x.status == 0)
+            if o == "failed" and (x.error.endswith("runner_crashed") or _dropped(x))
         ),
         "failcnt": r.failcnt,
         "runner_deaths": len(deaths),

@@ -12,7 +12,10 @@ samples, and the kernel kills before the guard has looked. This thread asks for 
   ``memory.pressure``, else ``/proc/pressure/memory``; the kernel raises POLLPRI.
 
 And while the last sample was soft or hard (or an event came within ``linger`` seconds)
-it samples every ``fast_interval``: under pressure the next 0.9 s are what matter.
+it samples every ``fast_interval``: under pressure the next 0.9 s are what matter. A
+sample measures every runner (``/proc/PID/smaps_rollup``: 5–40 ms for a runner of a few
+hundred MiB on a busy machine), so the pace is held to at most ``COST_SHARE`` of one core:
+the interval is at least ``1 / COST_SHARE`` times what a sample took.
 
 Sources that cannot be opened (no cgroup, no PSI, no permission, macOS) are left out with
 a debug line; with none the watch only does the fast sampling. Linux only.
@@ -45,6 +48,8 @@ THRESHOLDS = (0.80, 0.85, 0.90, 0.93, 0.95, 0.97, 0.99)
 PSI_TRIGGER = "some 100000 1000000"
 # Unprivileged processes may only use windows that are multiples of 2 s (Linux ≥ 6.5).
 PSI_TRIGGER_UNPRIVILEGED = "some 150000 2000000"
+# The most of one core the extra samples may take (memory is short; CPU may be too).
+COST_SHARE = 0.1
 
 
 @dataclass(slots=True)
@@ -160,6 +165,7 @@ class PressureWatch:
         self._clock = clock
         self._last_event = -1e18
         self._last_sample = -1e18
+        self._cost = 0.0  # seconds a sample took, smoothed
         self._stopping = False
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._thread: threading.Thread | None = None
@@ -200,6 +206,12 @@ class PressureWatch:
             with contextlib.suppress(OSError):
                 os.close(fd)
 
+    @property
+    def interval(self) -> float:
+        """Seconds between fast samples now: ``fast_interval``, or more when samples are
+        slow (see ``COST_SHARE``)."""
+        return max(self._fast, self._cost / COST_SHARE)
+
     def _pressing(self) -> bool:
         return self._level() >= Pressure.SOFT or self._clock() - self._last_event < self._linger
 
@@ -210,7 +222,7 @@ class PressureWatch:
             poller.register(s.fd, s.events)
         poller.register(self._wake_r, select.POLLIN)
         while not self._stopping:
-            timeout = int(self._fast * 1000) if self._pressing() else None
+            timeout = int(self.interval * 1000) if self._pressing() else None
             ready = poller.poll(timeout)
             if any(fd == self._wake_r for fd, _ in ready):
                 with contextlib.suppress(OSError):
@@ -235,15 +247,18 @@ class PressureWatch:
             elif ready:
                 continue
             # Usage hovering at a threshold fires on every crossing: one sample per half
-            # fast interval is enough (the fast ticks that follow catch the rest).
-            if now - self._last_sample < self._fast / 2:
+            # interval is enough (the fast ticks that follow catch the rest).
+            if now - self._last_sample < self.interval / 2:
                 continue
             self._last_sample = now
             if fired:
                 self.wakeups += 1
             else:
                 self.fast_samples += 1
+            started = time.monotonic()
             try:
                 self._sample(bool(fired))
             except Exception:
                 log.exception("pressure watch: a sample failed")
+            took = time.monotonic() - started
+            self._cost = took if self._cost == 0.0 else 0.7 * self._cost + 0.3 * took
