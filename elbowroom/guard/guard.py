@@ -138,6 +138,7 @@ class PressureGuard:
         self._target = target
         self._gpu = gpu  # None: no GPU pools are watched (no NVIDIA GPU, or tests)
         self._level_now = Pressure.NORMAL  # the highest pool's level at the last sample
+        self._gpu_levels: dict[str, str] = {}  # GPU pool -> level label at the last sample
         self.enabled = enabled
         self._retry_after = retry_after
         self._gate = Gate()
@@ -248,6 +249,7 @@ class PressureGuard:
             gpus=gpus,
         )
         self._level_now = max([sample.level, *(g.level for g in gpus)])
+        self._gpu_levels = {g.name: g.level.label for g in gpus}
         self._gate = next_gate(self._gate, self._level_now, actions)
         self._prev = sample.level
         for action in actions:
@@ -402,6 +404,7 @@ class PressureGuard:
             "aborting": self.aborting(),
             "unloading": sorted(self._unloading),
             "aborts_this_episode": self._gate.aborts,
+            "gpu_levels": dict(self._gpu_levels),
             "watch": (
                 {
                     "sources": self.watch.sources,

@@ -211,6 +211,7 @@ async def test_a_full_gpu_aborts_and_evicts_the_work_on_that_gpu_first() -> None
     assert ("set_pressure", "gpu-llm", Pressure.HARD) in target.calls
     assert ("set_pressure", "cpu-llm", Pressure.HARD) not in target.calls
     assert not guard.admission_open()  # hard on a GPU closes admission too
+    assert guard.state()["gpu_levels"] == {"gpu0": "hard"}
     events = guard.events()
     abort = next(e for e in events if e.kind == "abort")
     assert "on gpu0" in abort.message
