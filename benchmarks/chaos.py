@@ -817,9 +817,10 @@ def markdown(summaries: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"{meta['clients']} client threads (openai client, no retries, honouring "
             "Retry-After) sent chat to both LLMs, transcriptions, speech and embeddings.",
             "",
-            "Scenarios: **protected** — the neighbour stands for the rest of the machine "
-            "(`oom_score_adj` -1000: the kernel may not kill it), so when the cgroup runs out "
-            "the OOM killer must take one of ours, a runner with its requests or the server: "
+            "Scenarios: **protected** — the neighbour stands for the rest of the machine, "
+            "which the kernel may not kill (the server and its runners run with "
+            "`oom_score_adj` 1000), so when the cgroup runs out the OOM killer must take one "
+            "of ours, a runner with its requests or the server: "
             "*ours killed* and *lost to kills* are what the guard is there to keep at 0. "
             "**plain** — an ordinary neighbour, the largest process, so the kernel kills it: "
             "*neighbour killed* counts how often our memory cost someone else their process.",
