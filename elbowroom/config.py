@@ -112,6 +112,8 @@ class Settings:
     # PSI triggers) wake a sample at once; samples every pressure_fast_interval s while soft/hard.
     pressure_events: bool = True
     pressure_fast_interval: float = 0.1
+    # Soft when others' memory grows so fast that available runs out within this many s.
+    pressure_horizon: float = 2.0
     monitor_history: float = 600.0
     unload_settle_timeout: float = 10.0  # wait this long for unloaded memory to show up
     # --- GPUs (docs/gpu.md)

@@ -43,6 +43,7 @@ from elbowroom.guard.ladder import (
     next_gate,
     plan,
 )
+from elbowroom.guard.trend import Point, projected
 from elbowroom.guard.watch import PressureWatch, open_sources
 from elbowroom.memory.monitor import Sample
 from elbowroom.memory.types import Pressure
@@ -134,8 +135,11 @@ class PressureGuard:
         retry_after: float = 5.0,
         events: int = 1000,
         gpu: GpuBudget | None = None,
+        horizon: float = 0.0,
     ) -> None:
         self._target = target
+        self._horizon = horizon  # trend.projected: 0 = off (the server passes its knob)
+        self._points: deque[Point] = deque(maxlen=64)
         self._gpu = gpu  # None: no GPU pools are watched (no NVIDIA GPU, or tests)
         self._level_now = Pressure.NORMAL  # the highest pool's level at the last sample
         self._gpu_levels: dict[str, str] = {}  # GPU pool -> level label at the last sample
@@ -237,8 +241,9 @@ class PressureGuard:
         inflight = self._inflight({m.id: m.bytes for m in models})
         unloading = frozenset(m for m, p in self._unloading.items() if not p.task.done())
         gpus = self._gpu_readings(sample, models, unloading)
+        level, why = self._projected(sample)
         actions = plan(
-            sample.level,
+            level,
             self._prev,
             inflight,
             models,
@@ -247,14 +252,26 @@ class PressureGuard:
             retry_after=self._retry_after,
             unloading=unloading,
             gpus=gpus,
+            why=why,
         )
-        self._level_now = max([sample.level, *(g.level for g in gpus)])
+        self._level_now = max([level, *(g.level for g in gpus)])
         self._gpu_levels = {g.name: g.level.label for g in gpus}
         self._gate = next_gate(self._gate, self._level_now, actions)
-        self._prev = sample.level
+        self._prev = level
         for action in actions:
             self._apply(action, sample, reading)
         return actions
+
+    def _projected(self, sample: Sample) -> tuple[Pressure, str | None]:
+        """The sample's host level, raised to soft when others' memory grows fast enough to
+        exhaust what is available within the horizon (``trend.projected``)."""
+        snap = sample.snapshot
+        others = max(0, snap.total - snap.available - sample.own_usage)
+        self._points.append(Point(sample.at, others, snap.available))
+        level, why = projected(self._points, self._horizon)
+        if level > sample.level:
+            return level, why
+        return sample.level, None
 
     def _gpu_readings(
         self, sample: Sample, models: list[LoadedModel], unloading: frozenset[str]
@@ -302,7 +319,8 @@ class PressureGuard:
     def _apply(self, action: Action, sample: Sample, reading: Reading) -> None:
         kind = _KINDS[type(action)]
         model: str | None = None
-        reason = sample.level.label
+        level = self._level_now.label  # the sample's, raised by the trend or a GPU pool
+        reason = level
         if isinstance(action, PauseLoads | ResumeLoads):
             self._target.pause_loads(isinstance(action, PauseLoads))
         elif isinstance(action, SetPressure):
@@ -327,7 +345,7 @@ class PressureGuard:
             else logging.WARNING,
             "pressure guard: %s (level %s, limit %s)",
             message,
-            sample.level.label,
+            level,
             format_size(reading.limit),
         )
         self._events.append(
@@ -335,7 +353,7 @@ class PressureGuard:
                 sample.at,
                 sample.wall,
                 kind,
-                sample.level.label,
+                level,
                 reading.usage,
                 reading.limit,
                 message,
@@ -396,7 +414,7 @@ class PressureGuard:
         sample = self.latest
         return {
             "enabled": self.enabled,
-            "level": (sample.level.label if sample is not None else None),
+            "level": (self._level().label if sample is not None else None),
             "sample_at": (sample.at if sample is not None else None),
             "admission_open": self.admission_open(),
             "loads_paused": self.loads_paused,

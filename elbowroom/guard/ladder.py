@@ -121,9 +121,10 @@ class PauseLoads:
     level: Pressure
     usage: int
     soft: int
+    why: str | None = None  # when the level is not from these numbers (the trend)
 
     def message(self) -> str:
-        return f"pausing model loads: {_over(self.usage, self.soft, 'soft')}"
+        return f"pausing model loads: {self.why or _over(self.usage, self.soft, 'soft')}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,10 +247,12 @@ def plan(
     retry_after: float = 5.0,
     unloading: frozenset[str] = frozenset(),
     gpus: Sequence[PoolReading] = (),
+    why: str | None = None,
 ) -> list[Action]:
     """The actions for one sample at host ``level`` (``prev``: the previous sample's;
     ``unloading``: models the guard's unloads are still taking away, left alone; ``gpus``:
-    the GPU pools' levels, which go first).
+    the GPU pools' levels, which go first; ``why``: the reason for ``level`` when it is not
+    in ``reading``'s numbers, for the log).
 
     Order matters and is the order to apply them in: gates first (so nothing new starts
     while memory is being freed), then runner levels, unloads, and at most one abort.
@@ -259,12 +262,12 @@ def plan(
     hard = level >= Pressure.HARD
     # The gates follow the highest pool; their numbers are that pool's.
     top = max(gpus, key=lambda g: g.level, default=None)
-    overall, gate_reading = level, reading
+    overall, gate_reading, gate_why = level, reading, why
     if top is not None and top.level > level:
-        overall, gate_reading = top.level, top.reading
+        overall, gate_reading, gate_why = top.level, top.reading, None
 
     if overall >= Pressure.SOFT and not gate.loads_paused:
-        actions.append(PauseLoads(overall, gate_reading.usage, gate_reading.soft))
+        actions.append(PauseLoads(overall, gate_reading.usage, gate_reading.soft, gate_why))
     if overall >= Pressure.HARD and gate.admission_open:
         actions.append(CloseAdmission(retry_after, gate_reading.usage, gate_reading.hard))
     # Admission re-opens only under soft (not merely under hard): a server that flaps

@@ -153,7 +153,12 @@ async def start_services(settings: Settings, *, probe: Probe | None = None) -> S
     )
     budget_cfg = BudgetConfig.from_settings(settings)
     gpu = GpuBudget(budget_cfg, settings.gpu_reserve, settings.override_gpu_memory)
-    guard = PressureGuard(SchedulerTarget(scheduler), enabled=settings.memory_guard, gpu=gpu)
+    guard = PressureGuard(
+        SchedulerTarget(scheduler),
+        enabled=settings.memory_guard,
+        gpu=gpu,
+        horizon=settings.pressure_horizon,
+    )
     monitor = Monitor(
         probe,
         own_usage=_runners_resident,
