@@ -13,9 +13,10 @@ samples, and the kernel kills before the guard has looked. This thread asks for 
 
 And while the last sample was soft or hard (or an event came within ``linger`` seconds)
 it samples every ``fast_interval``: under pressure the next 0.9 s are what matter. A
-sample measures every runner (``/proc/PID/smaps_rollup``: 5–40 ms for a runner of a few
-hundred MiB on a busy machine), so the pace is held to at most ``COST_SHARE`` of one core:
-the interval is at least ``1 / COST_SHARE`` times what a sample took.
+sample probes the machine and measures every runner, which is cheap on an idle machine but
+not on one that is short of memory (reclaim, a stalled /proc read), so the pace is held to
+at most ``COST_SHARE`` of one core: the interval is at least ``1 / COST_SHARE`` times what
+a sample took.
 
 Sources that cannot be opened (no cgroup, no PSI, no permission, macOS) are left out with
 a debug line; with none the watch only does the fast sampling. Linux only.
