@@ -228,7 +228,9 @@ class PressureWatch:
             if any(fd == self._wake_r for fd, _ in ready):
                 with contextlib.suppress(OSError):
                     os.read(self._wake_r, 512)
-                continue  # re-read the level (and the stop flag)
+                ready = [(fd, ev) for fd, ev in ready if fd != self._wake_r]
+                if not ready:
+                    continue  # re-read the level (and the stop flag)
             fired = []
             for fd, revents in ready:
                 src = by_fd.get(fd)
