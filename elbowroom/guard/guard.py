@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from elbowroom.errors import MemoryPressure
-from elbowroom.guard.gpu import GpuBudget
+from elbowroom.guard.gpu import gpu_readings
 from elbowroom.guard.ladder import (
     Abort,
     Action,
@@ -45,6 +45,7 @@ from elbowroom.guard.ladder import (
 )
 from elbowroom.guard.trend import Point, projected
 from elbowroom.guard.watch import PressureWatch, open_sources
+from elbowroom.memory.budget import BudgetConfig
 from elbowroom.memory.monitor import Sample
 from elbowroom.memory.types import Pressure
 from elbowroom.units import format_size
@@ -134,13 +135,14 @@ class PressureGuard:
         enabled: bool = True,
         retry_after: float = 5.0,
         events: int = 1000,
-        gpu: GpuBudget | None = None,
+        budget: BudgetConfig | None = None,
         horizon: float = 0.0,
     ) -> None:
         self._target = target
+        # GPU pools' levels need the budget's safety margin; None: GPUs are not watched
+        self._budget = budget
         self._horizon = horizon  # trend.projected: 0 = off (the server passes its knob)
         self._points: deque[Point] = deque(maxlen=64)
-        self._gpu = gpu  # None: no GPU pools are watched (no NVIDIA GPU, or tests)
         self._level_now = Pressure.NORMAL  # the highest pool's level at the last sample
         self._gpu_levels: dict[str, str] = {}  # GPU pool -> level label at the last sample
         self.enabled = enabled
@@ -276,16 +278,14 @@ class PressureGuard:
     def _gpu_readings(
         self, sample: Sample, models: list[LoadedModel], unloading: frozenset[str]
     ) -> list[PoolReading]:
-        if self._gpu is None or not sample.snapshot.gpus:
+        if self._budget is None or len(sample.pools) < 2:
             return []
-        ours: Counter[str] = Counter()
         going: Counter[str] = Counter()
         for m in models:
-            for pool, n in m.pools:
-                ours[pool] += n
-                if m.id in unloading:
+            if m.id in unloading:
+                for pool, n in m.pools:
                     going[pool] += n
-        return self._gpu.readings(sample.snapshot, ours, going)
+        return gpu_readings(sample.pools, self._budget, going)
 
     def _inflight(self, sizes: dict[str, int]) -> list[InFlight]:
         """In-flight requests with their runner's bytes (``sizes``, when the target left them

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from elbowroom.errors import MemoryPressure
-from elbowroom.guard.gpu import GpuBudget
 from elbowroom.guard.guard import PressureGuard
 from elbowroom.guard.ladder import InFlight, LoadedModel
 from elbowroom.memory.budget import BudgetConfig, Candidate, Limit
 from elbowroom.memory.monitor import Sample
+from elbowroom.memory.pools import memory_pools
 from elbowroom.memory.types import GpuMemory, Pressure, Snapshot
 
 MiB = 1024**2
@@ -202,10 +202,13 @@ async def test_a_full_gpu_aborts_and_evicts_the_work_on_that_gpu_first() -> None
     on_cpu = llm("cpu-llm", 300, 1.0, busy=1)
     target = Recorder(loaded=[on_gpu, on_cpu])
     target.running = [InFlight("g", "gpu-llm", 1.0, 0), InFlight("c", "cpu-llm", 5.0, 0)]
-    guard = PressureGuard(target, gpu=GpuBudget(BudgetConfig()))
+    cfg = BudgetConfig()
+    guard = PressureGuard(target, budget=cfg)
     card = GpuMemory(0, "NVIDIA H100", total=80 * GiB, free=1 * GiB, used=79 * GiB)
     s = sample(500, Pressure.NORMAL, at=1)
-    s = replace(s, snapshot=replace(s.snapshot, gpus=(card,)))
+    snap = replace(s.snapshot, gpus=(card,))
+    # the pools as the monitor computes them from that reading and our 30 GiB on the card
+    s = replace(s, snapshot=snap, pools=memory_pools(snap, 500 * MiB, {0: 30 * GiB}, cfg))
     await guard.apply(s)
     assert guard.aborting() == {"g": "gpu-llm"}
     assert ("set_pressure", "gpu-llm", Pressure.HARD) in target.calls
@@ -216,5 +219,5 @@ async def test_a_full_gpu_aborts_and_evicts_the_work_on_that_gpu_first() -> None
     abort = next(e for e in events if e.kind == "abort")
     assert "on gpu0" in abort.message
     # without the GPU reading the same sample is normal and nothing is done
-    plain = PressureGuard(Recorder(loaded=[on_gpu, on_cpu]), gpu=GpuBudget(BudgetConfig()))
+    plain = PressureGuard(Recorder(loaded=[on_gpu, on_cpu]), budget=cfg)
     assert await plain.apply(sample(500, Pressure.NORMAL, at=1)) == []
