@@ -19,6 +19,7 @@ from elbowroom.errors import ElbowroomError
 from elbowroom.memory.budget import BudgetConfig, Fit, Limit, fits, limit_to_dict, memory_limit
 from elbowroom.memory.probe import default_probe
 from elbowroom.memory.types import Snapshot
+from elbowroom.models import vision
 from elbowroom.models.bundled import unprepared
 from elbowroom.models.catalog import Catalog, discover
 from elbowroom.models.estimate import (
@@ -127,6 +128,19 @@ def _footprint_dict(fp: Footprint) -> dict[str, Any]:
 # ------------------------------------------------------------------------------- ls
 
 
+def _projector_dict(spec: ModelSpec) -> dict[str, Any] | None:
+    proj = spec.projector
+    if proj is None:
+        return None
+    return {
+        "path": str(proj.path),
+        "type": proj.projector_type,
+        "image_size": proj.image_size,
+        "image_tokens": proj.image_tokens,
+        "weight_bytes": proj.weight_bytes,
+    }
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     try:
         ctx = _Context(_settings(args))
@@ -137,15 +151,19 @@ def cmd_ls(args: argparse.Namespace) -> int:
         n_ctx, how = ctx.size(spec, None)
         fp = ctx.footprint(spec, n_ctx)
         fit = fits(fp.total, 0, ctx.limit)
+        gate = vision.gate(
+            spec.id, spec.vision, fp.total, ctx.limit.value, ctx.settings.vision_gate
+        )
+        refused = gate.verdict is vision.Verdict.REFUSE
         rows.append(
             [
                 spec.id,
-                spec.kind.value,
+                spec.kind.value + (" +vision" if spec.vision else ""),
                 spec.engine,
                 fs(spec.size_bytes),
                 n_ctx or "-",
                 fs(fp.total) + (" (measured)" if fp.measured else ""),
-                "yes" if fit.ok else "no",
+                "no (vision gate)" if refused else "yes" if fit.ok else "no",
                 spec.source,
             ]
         )
@@ -162,8 +180,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 "n_ctx": n_ctx,
                 "n_ctx_source": how,
                 "footprint": _footprint_dict(fp),
-                "fits": fit.ok,
+                "fits": fit.ok and not refused,
                 "shortfall": fit.shortfall,
+                "capabilities": vision.capabilities(spec),
+                "projector": _projector_dict(spec),
+                "vision_gate": gate.details() if spec.vision else None,
             }
         )
     problems = [{"path": str(p.path), "reason": p.reason} for p in ctx.catalog.problems]

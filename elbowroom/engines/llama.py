@@ -137,6 +137,11 @@ class LlamaEngine:
         params.cache_ram_mib = max(0, int(options.get("cache_ram_bytes", 0)) // (1 << 20))
         self._cache_grant = params.cache_ram_mib << 20
         params.n_gpu_layers = int(options.get("n_gpu_layers", 0))
+        if spec.projector is not None:  # vision (models/vision.py): the encoder goes where
+            params.mmproj.path = str(spec.projector.path)  # the layers go
+            params.mmproj_use_gpu = params.n_gpu_layers != 0
+        else:
+            params.no_mmproj = True
         if options.get("main_gpu") is not None:
             params.main_gpu = int(options["main_gpu"])
         if options.get("tensor_split"):
@@ -183,6 +188,7 @@ class LlamaEngine:
             "native_tools": self._native_tools,
             "cache_ram_mib": params.cache_ram_mib,
             "engine": f"xllamacpp {version}",
+            "vision": spec.projector is not None,
         }
 
     def _props(self) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from elbowroom.memory.pools import Pool, memory_pools, pool_to_dict
 from elbowroom.memory.types import Pressure, Probe, Snapshot
 from elbowroom.models.spec import Holding, ModelKind, ModelSpec
 from elbowroom.runtime.protocol import Runner, RunnerFactory
-from elbowroom.scheduler import offload_plan, policy
+from elbowroom.scheduler import offload_plan, policy, vision_gate
 from elbowroom.scheduler.clients import current_client, queue_cap
 from elbowroom.scheduler.events import EventLog
 from elbowroom.scheduler.inputs import Estimator, Measurements, ModelCatalog, default_estimator
@@ -293,6 +293,7 @@ class Scheduler:
     async def _make_room(self, spec: ModelSpec) -> Plan:
         """Evict or wait until ``spec`` fits; raise InsufficientMemory when it never will."""
         wait_deadline: float | None = None
+        gated = False
         await self._wait_unpaused(spec.id)
         while True:
             await self._drain_stops()
@@ -303,15 +304,25 @@ class Scheduler:
             # The server process's own bytes (request bodies, Python) fill the same budget.
             self._last_server = self._server_usage()
             state = self._state(limit.ceiling - self._last_server)
-            plan = plan_load(spec, self.settings, state, self._estimate, self._measured)
-            plan = offload_plan.place_on_gpus(plan, spec, self.settings, state, self._pools)
+            sized = vision_gate.sizing_state(state, spec, self.settings, limit.value)
+            plan = plan_load(spec, self.settings, sized, self._estimate, self._measured)
+            plan = offload_plan.place_on_gpus(plan, spec, self.settings, sized, self._pools)
+            if not gated:  # the vision gate: 507 for a vision model above it, else a warning
+                gated = True
+                try:
+                    vision_gate.check(spec, plan, self.settings, limit.value)
+                except InsufficientMemory:
+                    self.counters["refusals_507"] += 1
+                    raise
             decision = policy.decide(state, plan.request)
             if isinstance(decision, policy.Admit):
                 return plan
             if isinstance(decision, policy.Refuse):
                 raise self._refusal(decision)
             if isinstance(decision, policy.Evict):
-                await self._evict(decision, snap, for_model=spec.id)
+                freed = await self._evict(decision, snap, for_model=spec.id)
+                if spec.vision:
+                    await self._settle_vision(spec.id, plan.request.needed, snap.available, freed)
                 continue
             now = self._clock()
             if wait_deadline is None:
@@ -423,7 +434,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ unloading
 
-    async def _evict(self, decision: policy.Evict, before: Snapshot, *, for_model: str) -> None:
+    async def _evict(self, decision: policy.Evict, before: Snapshot, *, for_model: str) -> int:
+        """Stop ``decision.ids`` and wait for their memory; returns the anonymous bytes
+        expected back."""
         expected = 0
         stops = []
         for model_id in decision.ids:
@@ -444,6 +457,26 @@ class Scheduler:
         await asyncio.gather(*stops)
         await self._settle(before.available, expected)
         await self._settle_gpus(before, gpu_expected)
+        return expected
+
+    async def _settle_vision(self, model_id: str, needed: int, before: int, freed: int) -> None:
+        """Switching to a vision model: wait for the larger margin (scheduler/vision_gate.py)."""
+        factor = self.settings.vision_settle_factor
+        target = vision_gate.settle_target(needed, factor, before, freed)
+        deadline = self._clock() + self.settings.unload_settle_timeout
+        while (available := self._probe().available) < target:
+            if self._clock() >= deadline:
+                log.warning(
+                    "loading vision model %s: %s available after the eviction, not the %s "
+                    "(%.1f x its %s) the vision settle waits for; going on",
+                    model_id,
+                    format_size(available),
+                    format_size(target),
+                    factor,
+                    format_size(needed),
+                )
+                return
+            await self._sleep(_POLL)
 
     async def _settle(self, before_available: int, expected: int) -> None:
         """Wait until ``expected`` freed bytes show up as available (or the deadline)."""

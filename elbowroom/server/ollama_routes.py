@@ -29,6 +29,7 @@ from elbowroom.server import ollama_shapes as shapes
 from elbowroom.server.deps import Services, get_services, parse_keep_alive
 from elbowroom.server.embeddings_routes import check_inputs
 from elbowroom.server.errors import validation_to_bad_request
+from elbowroom.server.images import check_chat_images
 from elbowroom.server.metrics import record_tokens
 from elbowroom.server.model_calls import run_once
 from elbowroom.server.ollama_reply import NdjsonStream, Reply, Timing, stream_reply
@@ -270,6 +271,7 @@ async def _text(
     if max_tokens is not None:
         max_tokens = min(max_tokens, settings.max_tokens_cap)
     if isinstance(validated, ChatCompletionRequest):
+        await check_chat_images(services, validated)  # vision: before any engine work
         inputs: dict[str, Any] = {"messages": _engine_messages(validated, openai["messages"])}
     else:
         inputs = {"prompt": validated.prompt_text()}

@@ -1,0 +1,257 @@
+"""Vision end to end: a real ``elbowroom serve``, the real engine with a real projector.
+
+No vision-language model can be downloaded here, so the module makes one: the bundled
+SmolLM2-135M (a copy named ``smolvlm-test.gguf``) beside ``mmproj-smolvlm-test.gguf``, a
+genuine gemma3-type projector with random weights (tests/vision_gguf.py). Images go through
+the real encoder, the real memory and the real request path; the words that come out are
+meaningless, so the tests assert statuses, token counts and bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import shutil
+import struct
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ollama
+import openai
+import pytest
+from bundled_models import bundled_spec
+from serverproc import ServerFactory, ServerProcess, runner_pid
+from vision_gguf import image_tokens, write_projector
+
+from elbowroom.config import load_settings
+from elbowroom.memory.process import measure_pid
+from elbowroom.models.catalog import discover
+from elbowroom.models.estimate import footprint
+from elbowroom.units import MiB
+
+pytestmark = pytest.mark.slow
+
+VLM, TEXT = "smolvlm-test", "smollm2-135m"
+PER_IMAGE = image_tokens()  # 256
+
+
+def make_models(folder: Path) -> Path:
+    """The test vision model: a copy (hard link when possible) of the bundled SmolLM2 and a
+    random projector beside it. A symlink would not do: discovery lists a file once, and
+    the bundled package already lists SmolLM2 as a text model."""
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / f"{VLM}.gguf"
+    src = bundled_spec(TEXT).path
+    try:
+        os.link(src, target)
+    except OSError:
+        shutil.copyfile(src, target)
+    write_projector(folder / f"mmproj-{VLM}.gguf")
+    return folder
+
+
+def picture(fmt: str, size: tuple[int, int] = (320, 240)) -> bytes:
+    from PIL import Image
+
+    pixels = np.random.default_rng(1).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, fmt)
+    return buf.getvalue()
+
+
+def data_url(data: bytes, mime: str) -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def bomb_png(side: int = 20_000) -> bytes:
+    """A genuine 1-bit PNG of side x side pixels (400 million at 20,000): ~50 KB of bytes,
+    1.2 GB once an RGB decoder expands it."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    row = b"\x00" + b"\x00" * (side // 8)
+    packer = zlib.compressobj(9)
+    idat = b"".join(packer.compress(row) for _ in range(side)) + packer.flush()
+    ihdr = struct.pack(">IIBBBBB", side, side, 1, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+def chat(text: str, *urls: str) -> list[dict[str, Any]]:
+    parts: list[dict[str, Any]] = [{"type": "text", "text": text}]
+    parts += [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    return [{"role": "user", "content": parts}]
+
+
+@dataclass
+class Vision:
+    server: ServerProcess
+    models: Path
+    loaded: dict[str, Any]  # the ps row right after load
+    predicted_working: int  # the part of the prediction that appears with the first image
+
+
+@pytest.fixture(scope="module")
+def vision(
+    server_factory: ServerFactory, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Vision]:
+    home = tmp_path_factory.mktemp("vision")
+    models = make_models(home / "models")
+    env = {"ELBOWROOM_KV_RAM_MAX": "0", "ELBOWROOM_MODELS_DIR": str(models)}
+    server = server_factory("--ctx", "1024", "--slots", "2", home=home, env=env)
+    with server.http() as http:
+        r = http.post(f"/api/models/{VLM}/load")
+        assert r.status_code == 200, r.text
+    row = next(r for r in server.ps() if r["id"] == VLM)
+    settings = load_settings(environ={"ELBOWROOM_MODELS_DIR": str(models)})
+    spec = discover(settings).get(VLM)
+    fp = footprint(spec, row["n_ctx"], row["slots"], row["kv_type"])
+    assert fp.total == row["predicted"], (fp, row)  # the server planned what we compute
+    yield Vision(server, models, row, fp.working)
+
+
+def test_models_list_the_vision_capability(vision: Vision) -> None:
+    cards = {m.id: m for m in vision.server.openai().models.list().data}
+    assert "vision" in (cards[VLM].model_extra or {})["capabilities"]
+    assert "vision" not in (cards[TEXT].model_extra or {})["capabilities"]
+    ls = vision.server.cli("ls", "--json")
+    # `ls` reads the catalog itself (the models folder from the environment): run it there.
+    assert ls.returncode in (0, 2), ls.stderr
+
+
+def test_chat_with_png_and_jpeg_counts_the_image_tokens(vision: Vision) -> None:
+    client = vision.server.openai()
+    png, jpeg = picture("PNG"), picture("JPEG")
+    plain = client.chat.completions.create(
+        model=VLM, messages=chat("Describe the pictures."), max_tokens=4
+    )
+    both = client.chat.completions.create(
+        model=VLM,
+        messages=chat(
+            "Describe the pictures.", data_url(png, "image/png"), data_url(jpeg, "image/jpeg")
+        ),
+        max_tokens=4,
+    )
+    assert both.choices[0].finish_reason in ("stop", "length")
+    assert plain.usage is not None and both.usage is not None
+    added = both.usage.prompt_tokens - plain.usage.prompt_tokens
+    # Each image is PER_IMAGE embeddings plus its begin/end markers (a few text tokens).
+    assert 2 * PER_IMAGE <= added <= 2 * PER_IMAGE + 32, (plain.usage, both.usage)
+    # Streaming too, with usage.
+    chunks = list(
+        client.chat.completions.create(
+            model=VLM,
+            messages=chat("And now?", data_url(png, "image/png")),
+            max_tokens=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert usage and usage[-1].prompt_tokens >= PER_IMAGE
+
+
+def test_footprint_predicted_vs_measured_with_and_without_an_image(vision: Vision) -> None:
+    """±10 %: right after load against the prediction less what appears with the first
+    image; after images have been encoded against the whole prediction."""
+    row = vision.loaded
+    at_load = row["predicted"] - vision.predicted_working
+    measured_load = row["anonymous"] + row["file_backed"]
+    client = vision.server.openai()
+    client.chat.completions.create(
+        model=VLM, messages=chat("Look.", data_url(picture("PNG"), "image/png")), max_tokens=2
+    )
+    pid = runner_pid(vision.server, VLM)
+    assert pid is not None
+    after = measure_pid(pid)
+    measured_image = after.anonymous + after.file_backed
+    print(
+        f"\nvision footprint: at load predicted {at_load / MiB:.1f} MiB, measured "
+        f"{measured_load / MiB:.1f} MiB; with images predicted {row['predicted'] / MiB:.1f} "
+        f"MiB, measured {measured_image / MiB:.1f} MiB"
+    )
+    assert abs(measured_load - at_load) <= 0.10 * at_load, (measured_load, at_load)
+    assert abs(measured_image - row["predicted"]) <= 0.10 * row["predicted"]
+
+
+def test_remote_urls_are_refused(vision: Vision) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        vision.server.openai().chat.completions.create(
+            model=VLM, messages=chat("Look.", "http://127.0.0.1:9/cat.png"), max_tokens=2
+        )
+    err = info.value.body
+    assert isinstance(err, dict) and err["code"] == "remote_image_url", err
+    assert err["param"] == "messages[0].content[1].image_url.url"
+
+
+def test_bombs_and_non_images_are_refused_fast_without_memory(vision: Vision) -> None:
+    server, client = vision.server, vision.server.openai()
+    pid = runner_pid(server, VLM)
+    assert pid is not None
+    runner_before = measure_pid(pid).anonymous
+    server_before = server.memory()["server_usage"]
+    bomb = bomb_png()
+    assert len(bomb) < 1 * MiB
+    started = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as info:
+        client.chat.completions.create(
+            model=VLM, messages=chat("Look.", data_url(bomb, "image/png")), max_tokens=2
+        )
+    assert info.value.status_code == 413
+    assert isinstance(info.value.body, dict) and info.value.body["code"] == "image_too_large"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(
+            model=VLM,
+            messages=chat("Look.", data_url(b"this is not an image at all", "image/png")),
+            max_tokens=2,
+        )
+    assert isinstance(bad.value.body, dict) and bad.value.body["code"] == "invalid_image"
+    with pytest.raises(openai.BadRequestError) as b64:
+        client.chat.completions.create(
+            model=VLM, messages=chat("Look.", "data:image/png;base64,%%%not-base64"), max_tokens=2
+        )
+    assert isinstance(b64.value.body, dict) and b64.value.body["code"] == "invalid_image"
+    assert time.monotonic() - started < 5.0  # refused from the header, nothing decoded
+    # Nothing reached the runner, and the server did not decode 400 million pixels.
+    assert abs(measure_pid(pid).anonymous - runner_before) < 4 * MiB
+    assert server.memory()["server_usage"] - server_before < 32 * MiB
+
+
+def test_text_model_refuses_images(vision: Vision) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        vision.server.openai().chat.completions.create(
+            model=TEXT,
+            messages=chat("Look.", data_url(picture("PNG"), "image/png")),
+            max_tokens=2,
+        )
+    err = info.value.body
+    assert isinstance(err, dict) and err["code"] == "model_not_supported", err
+    assert "vision" in err["message"]
+
+
+def test_ollama_images(vision: Vision) -> None:
+    client = ollama.Client(host=vision.server.url, timeout=180)
+    png = picture("PNG")
+    out = client.chat(
+        model=VLM,
+        messages=[{"role": "user", "content": "What is it?", "images": [png]}],
+        options={"num_predict": 2},
+        stream=False,
+    )
+    assert (out.prompt_eval_count or 0) >= PER_IMAGE
+    gen = client.generate(model=VLM, prompt="What is it?", images=[png], options={"num_predict": 2})
+    assert (gen.prompt_eval_count or 0) >= PER_IMAGE
+    with pytest.raises(ollama.ResponseError) as info:
+        client.chat(
+            model=TEXT,
+            messages=[{"role": "user", "content": "What is it?", "images": [png]}],
+            stream=False,
+        )
+    assert info.value.status_code == 400
