@@ -43,6 +43,7 @@ def write_projector(
         # clip.cpp tells up from down by their widths (it fixes old exports that swapped them).
         raise ValueError("n_ff must differ from n_embd")
     rng = np.random.default_rng(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
 
     def rand(*shape: int, std: float = 0.02) -> np.ndarray:
         return (rng.standard_normal(shape) * std).astype(np.float32)

@@ -257,9 +257,10 @@ async def check_chat_images(services: Any, body: Any) -> int:
             if p.type == "image_url"
         )
         raise BadRequest(
-            f"The model {spec.id!r} has no vision: image parts need a vision model (an LLM "
-            "with its mmproj projector; docs/models.md#vision). GET /v1/models lists each "
-            "model's capabilities. Send the text only, or choose a vision model.",
+            f"The model {spec.id!r} has no vision: images (image_url parts, Ollama's images) "
+            "need a vision model, an LLM with its mmproj projector (docs/models.md#vision). "
+            "GET /v1/models lists each model's capabilities. Send the text only, or choose a "
+            "vision model.",
             param=f"messages[{i}].content[{j}].type",
             code="model_not_supported",
         )

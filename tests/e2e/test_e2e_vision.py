@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 import shutil
 import struct
+import subprocess
+import sys
 import time
 import zlib
 from collections.abc import Iterator
@@ -121,9 +124,23 @@ def test_models_list_the_vision_capability(vision: Vision) -> None:
     cards = {m.id: m for m in vision.server.openai().models.list().data}
     assert "vision" in (cards[VLM].model_extra or {})["capabilities"]
     assert "vision" not in (cards[TEXT].model_extra or {})["capabilities"]
-    ls = vision.server.cli("ls", "--json")
-    # `ls` reads the catalog itself (the models folder from the environment): run it there.
-    assert ls.returncode in (0, 2), ls.stderr
+    # `elbowroom ls` reads the catalog itself.
+    env = {**os.environ, "ELBOWROOM_MODELS_DIR": str(vision.models)}
+    ls = subprocess.run(
+        [sys.executable, "-m", "elbowroom", "ls", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert ls.returncode == 0, ls.stderr
+    rows = {m["id"]: m for m in json.loads(ls.stdout)["models"]}
+    assert "vision" in rows[VLM]["capabilities"] and rows[VLM]["projector"]["image_tokens"] == 256
+    assert rows[TEXT]["projector"] is None
+    table = subprocess.run(
+        [sys.executable, "-m", "elbowroom", "ls"], capture_output=True, text=True, env=env
+    )
+    assert any(VLM in line and "llm +vision" in line for line in table.stdout.splitlines())
 
 
 def test_chat_with_png_and_jpeg_counts_the_image_tokens(vision: Vision) -> None:
@@ -255,3 +272,82 @@ def test_ollama_images(vision: Vision) -> None:
             stream=False,
         )
     assert info.value.status_code == 400
+
+
+# --- the vision gate ----------------------------------------------------------------------
+
+RESERVE = 512 * MiB
+SLOTS, CTX = 4, 8192  # SmolLM2's trained context: ~0.9 GiB, mostly KV
+
+
+def gate_limit(vision: Vision) -> tuple[int, int, int]:
+    """A memory limit where the text model is above 70 % and still fits the load ceiling
+    (with the server's own bytes), so the vision model, a little larger, is above it too.
+    Returns (limit, text footprint, vision footprint), predicted as the server will."""
+    settings = load_settings(environ={"ELBOWROOM_MODELS_DIR": str(vision.models)})
+    catalog = discover(settings)
+    text = footprint(catalog.get(TEXT), CTX, SLOTS, "f16").total
+    seeing = footprint(catalog.get(VLM), CTX, SLOTS, "f16").total
+    own = int(vision.server.memory()["server_usage"]) + 48 * MiB  # a fresh server, some slack
+    low, high = int((text + own) / settings.load_fraction), int(text / settings.vision_gate)
+    if low >= high:
+        pytest.skip(f"no limit puts {text} bytes above the gate and under the ceiling")
+    return (low + high) // 2, text, seeing
+
+
+def gated_server(
+    server_factory: ServerFactory, vision: Vision, limit: int, *args: str, **extra: str
+) -> ServerProcess:
+    env = {
+        **extra,
+        "ELBOWROOM_KV_RAM_MAX": "0",
+        "ELBOWROOM_MODELS_DIR": str(vision.models),
+        "ELBOWROOM_OVERRIDE_MEMORY": str(limit + RESERVE),
+        "ELBOWROOM_CONTAINER_MARGIN": str(RESERVE),
+    }
+    server = server_factory("--slots", str(SLOTS), *args, env=env)
+    assert server.memory()["limit"]["value"] == limit
+    return server
+
+
+def test_vision_gate_refuses_the_vision_model_and_warns_for_text(
+    server_factory: ServerFactory, vision: Vision
+) -> None:
+    limit, text, seeing = gate_limit(vision)
+    server = gated_server(server_factory, vision, limit, "--ctx", str(CTX))
+    client = server.openai()
+    with pytest.raises(openai.APIStatusError) as info:
+        client.chat.completions.create(model=VLM, messages=chat("Hi"), max_tokens=2)
+    assert info.value.status_code == 507
+    err = info.value.body
+    assert isinstance(err, dict) and err["code"] == "vision_gate", err
+    assert err["needed"] == seeing and err["pool_limit"] == limit
+    assert err["vision_gate"] == 0.70 and err["share"] > 0.70
+    assert "70%" in err["message"] and "vision_gate" in err["message"]
+    assert server.ps() == []
+    # The text model of (nearly) the same size: loaded, with a warning in the log.
+    out = client.chat.completions.create(model=TEXT, messages=chat("Hi"), max_tokens=2)
+    assert out.choices[0].message.content is not None
+    assert text > 0.70 * limit
+    print(
+        f"\nvision gate: limit {limit / MiB:.0f} MiB, vision model {seeing / MiB:.0f} MiB "
+        f"({seeing / limit:.0%}): 507; text model {text / MiB:.0f} MiB ({text / limit:.0%}): "
+        "loaded with a warning"
+    )
+    assert f"{TEXT} needs" in server.log() and "vision gate is 70%" in server.log()
+
+
+def test_auto_sized_vision_context_stays_inside_the_gate(
+    server_factory: ServerFactory, vision: Vision
+) -> None:
+    limit, _text, _seeing = gate_limit(vision)
+    # Auto-sizing may go up to the trained context, where the footprint is above the gate.
+    server = gated_server(server_factory, vision, limit, ELBOWROOM_MAX_CTX=str(CTX))
+    client = server.openai()
+    out = client.chat.completions.create(
+        model=VLM, messages=chat("Look.", data_url(picture("PNG"), "image/png")), max_tokens=2
+    )
+    assert out.usage is not None and out.usage.prompt_tokens >= PER_IMAGE
+    row = next(r for r in server.ps() if r["id"] == VLM)
+    assert row["predicted"] <= 0.70 * limit, (row, limit)
+    assert row["n_ctx"] < CTX  # sized inside the gate, not to the load ceiling
