@@ -16,6 +16,8 @@ defaults (448 px, patch 14, pool 2).
 
 from __future__ import annotations
 
+import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -103,3 +105,18 @@ def write_projector(
 
 def image_tokens(image_size: int = 448, patch_size: int = 14, scale_factor: int = 2) -> int:
     return (image_size // patch_size // scale_factor) ** 2
+
+
+def bomb_png(side: int = 20_000) -> bytes:
+    """A genuine 1-bit PNG of side x side pixels (400 million at 20,000): ~50 KB of bytes,
+    1.2 GB once an RGB decoder expands it."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    row = b"\x00" + b"\x00" * (side // 8)
+    packer = zlib.compressobj(9)
+    idat = b"".join(packer.compress(row) for _ in range(side)) + packer.flush()
+    ihdr = struct.pack(">IIBBBBB", side, side, 1, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")

@@ -310,9 +310,23 @@ def _plan_dict(
             "largest_fitting": largest if spec.gguf else None,
         },
         "footprint": _footprint_dict(fp),
+        "vision": _vision_dict(ctx, spec, fp),
         "fit": asdict(fit),
         "prompt_cache_grant": grant,
         "suggestions": tips,
+    }
+
+
+def _vision_dict(ctx: _Context, spec: ModelSpec, fp: Footprint) -> dict[str, Any] | None:
+    if spec.projector is None or spec.gguf is None:
+        return None
+    cost = vision.extra_footprint(spec.projector, spec.gguf.n_embd)
+    gate = vision.gate(spec.id, True, fp.total, ctx.limit.value, ctx.settings.vision_gate)
+    return {
+        **(_projector_dict(spec) or {}),
+        "at_load": cost.at_load,
+        "working": cost.working,
+        "gate": {**gate.details(), "verdict": gate.verdict.value},
     }
 
 
@@ -373,6 +387,19 @@ def _plan_text(
             f" {fs(fp.working - fp.compute)} (what serving touches: {fs(fp.working)})",
             f"   anonymous = KV + repacked + the rest = {fs(fp.anonymous)}{src}",
         ]
+        if spec.projector is not None:
+            cost = vision.extra_footprint(spec.projector, g.n_embd)
+            gate = vision.gate(spec.id, True, fp.total, limit.value, s.vision_gate)
+            lines += [
+                f"   vision ({spec.projector.projector_type} projector, "
+                f"{spec.projector.image_tokens} tokens per image): weights "
+                f"{fs(cost.weights)} + encoder runtime {fs(cost.at_load - cost.weights)} (in"
+                f" the engine line), encoder working memory {fs(cost.working)} (in what"
+                " serving touches); image tokens take context, no extra KV",
+                f"   vision gate: {fs(fp.total)} is {gate.share:.0%} of the {fs(limit.value)}"
+                f" limit (gate {s.vision_gate:.0%}): "
+                + ("REFUSED (507)" if gate.verdict is vision.Verdict.REFUSE else "passes"),
+            ]
     else:
         lines += [
             f"3. weights on disk: {fs(fp.weights)} (loaded into anonymous memory)",

@@ -137,9 +137,11 @@ class LlamaEngine:
         params.cache_ram_mib = max(0, int(options.get("cache_ram_bytes", 0)) // (1 << 20))
         self._cache_grant = params.cache_ram_mib << 20
         params.n_gpu_layers = int(options.get("n_gpu_layers", 0))
-        if spec.projector is not None:  # vision (models/vision.py): the encoder goes where
-            params.mmproj.path = str(spec.projector.path)  # the layers go
-            params.mmproj_use_gpu = params.n_gpu_layers != 0
+        if spec.projector is not None:  # vision (models/vision.py)
+            params.mmproj.path = str(spec.projector.path)
+            # The projector is budgeted in host RAM: on a GPU its bytes would be VRAM the
+            # offload plan does not count.
+            params.mmproj_use_gpu = False
         else:
             params.no_mmproj = True
         if options.get("main_gpu") is not None:

@@ -24,6 +24,7 @@ import base64
 import binascii
 import io
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -96,7 +97,11 @@ def inspect(data: bytes, limits: ImageLimits, param: str) -> Checked:
     if len(data) > limits.max_bytes:
         raise _too_large(format_size(len(data)), limits, param)
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        with warnings.catch_warnings():
+            # Pillow warns above ~89 million pixels; the limit is ours (max_image_pixels).
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            opened = Image.open(io.BytesIO(data))  # reads the header only
+        with opened as img:
             fmt, (width, height) = str(img.format), img.size
             if fmt not in ENGINE_FORMATS:
                 raise BadRequest(

@@ -14,11 +14,9 @@ import io
 import json
 import os
 import shutil
-import struct
 import subprocess
 import sys
 import time
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +28,7 @@ import openai
 import pytest
 from bundled_models import bundled_spec
 from serverproc import ServerFactory, ServerProcess, runner_pid
-from vision_gguf import image_tokens, write_projector
+from vision_gguf import bomb_png, image_tokens, write_projector
 
 from elbowroom.config import load_settings
 from elbowroom.memory.process import measure_pid
@@ -70,21 +68,6 @@ def picture(fmt: str, size: tuple[int, int] = (320, 240)) -> bytes:
 
 def data_url(data: bytes, mime: str) -> str:
     return f"data:{mime};base64," + base64.b64encode(data).decode()
-
-
-def bomb_png(side: int = 20_000) -> bytes:
-    """A genuine 1-bit PNG of side x side pixels (400 million at 20,000): ~50 KB of bytes,
-    1.2 GB once an RGB decoder expands it."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        body = kind + data
-        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
-
-    row = b"\x00" + b"\x00" * (side // 8)
-    packer = zlib.compressobj(9)
-    idat = b"".join(packer.compress(row) for _ in range(side)) + packer.flush()
-    ihdr = struct.pack(">IIBBBBB", side, side, 1, 0, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
 
 
 def chat(text: str, *urls: str) -> list[dict[str, Any]]:
@@ -141,6 +124,17 @@ def test_models_list_the_vision_capability(vision: Vision) -> None:
         [sys.executable, "-m", "elbowroom", "ls"], capture_output=True, text=True, env=env
     )
     assert any(VLM in line and "llm +vision" in line for line in table.stdout.splitlines())
+    plan = subprocess.run(
+        [sys.executable, "-m", "elbowroom", "plan", VLM, "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert plan.returncode == 0, plan.stderr
+    seen = json.loads(plan.stdout)["vision"]
+    assert seen["image_tokens"] == PER_IMAGE and seen["working"] > 0
+    assert seen["gate"]["vision_gate"] == 0.70 and seen["gate"]["verdict"] in ("ok", "refuse")
 
 
 def test_chat_with_png_and_jpeg_counts_the_image_tokens(vision: Vision) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from bundled_models import bundled_spec
-from vision_gguf import write_projector
+from vision_gguf import bomb_png, write_projector
 
 from elbowroom.config import Settings
 from elbowroom.errors import BadRequest, ContextOverflow, PayloadTooLarge
@@ -175,3 +175,16 @@ def test_allowed_host_is_fetched_and_inlined(vlm: ModelSpec, image_host: str) ->
             images.check_images(messages(image_host + "/cat.png"), vlm, settings(), 4096, "x")
         )
     assert refused.value.code == "remote_image_url"
+
+
+def test_pillows_own_bomb_limits_do_not_decide(recwarn: pytest.WarningsRecorder) -> None:
+    """Between Pillow's warning (~89 M pixels) and its error (~179 M) the answer is ours:
+    within a raised max_image_pixels the image passes, and nothing is warned."""
+    png = bomb_png(10_000)  # 100 million pixels
+    raised = dataclasses.replace(LIMITS, max_bytes=1 << 20, max_pixels=150_000_000)
+    assert images.inspect(png, raised, "p").width == 10_000
+    assert not [w for w in recwarn if "pixels" in str(w.message)]
+    with pytest.raises(PayloadTooLarge):
+        images.inspect(png, dataclasses.replace(raised, max_pixels=99_999_999), "p")
+    with pytest.raises(PayloadTooLarge):  # Pillow's own error, past 179 million pixels
+        images.inspect(bomb_png(20_000), dataclasses.replace(raised, max_pixels=1 << 40), "p")
