@@ -101,9 +101,12 @@ class _Context:
             return n_ctx, "--ctx"
         if s.ctx is not None:
             return s.ctx, "ctx setting"
+        budget = self.limit.ceiling
+        if spec.vision and s.vision_gate < 1:  # as the scheduler sizes it: inside the gate
+            budget = min(budget, int(s.vision_gate * self.limit.value))
         auto = auto_context(
             spec,
-            self.limit.ceiling,
+            budget,
             s.max_ctx,
             s.min_ctx,
             s.slots_for(spec.id),
