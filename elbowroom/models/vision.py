@@ -16,7 +16,8 @@ What a projector costs, on top of the text model (``extra_footprint``):
 - the encoder's working memory, which appears when an image is encoded: the image as
   floats, the patch matrix, activations over every patch, the image tokens' embeddings
   (attention runs flash-style on the CPU: no patches² score matrix), plus a fixed part
-  (clip context, scheduler), calibrated on this machine (docs/models.md has the numbers);
+  (clip context, scheduler), calibrated with benchmarks/vision_footprint.py; clip.cpp's
+  warm-up encodes one full-size image at load, so part of it is there before any request;
 - the image tokens' KV: llama.cpp allocates the whole context's KV at load, so image
   tokens take context, not extra bytes; a request whose images cannot fit the context is
   refused before decoding (server/images.py).
@@ -49,13 +50,14 @@ MIN_SHARED = 4  # characters a projector's name must share with its model's (sev
 F32 = 4
 # Encoder working memory: activations kept per patch and encoder width (residual, norm,
 # q/k/v, attention output, MLP in/out), per patch and MLP width (up + activation), and a
-# fixed part (clip context, backend scheduler, the decoded image) measured with the test
-# projector at 448 and 896 px (docs/models.md).
+# fixed part (clip context, backend scheduler, the decoded image). Calibrated with the test
+# projectors at 448 and 896 px and 2 or 8 layers (benchmarks/vision_footprint.py).
 ACT_PER_EMBD = 8
 ACT_PER_FF = 2
 ENCODER_FIXED = int(7.3 * MiB)
-# Loading the projector adds its weights and, before any image, part of the fixed runtime.
-LOAD_FIXED = int(7.0 * MiB)
+# At load, clip.cpp's warm-up encodes one image of the full size: the projector's weights,
+# a fixed part, and that image's input and patch matrix are touched before any request.
+LOAD_FIXED = int(3.5 * MiB)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,15 +120,16 @@ def read_projector(path: Path) -> Projector:
 def extra_footprint(proj: Projector, text_embd: int) -> VisionCost:
     """PURE: what the projector adds to its LLM's footprint (module docstring)."""
     patches = proj.n_patches
-    image = proj.image_size**2 * 3 * F32 * 2  # preprocessed image + the graph's input
+    image = proj.image_size**2 * 3 * F32  # one image as floats (preprocessed, graph input)
     im2col = patches * 3 * proj.patch_size**2 * F32
     acts = patches * (ACT_PER_EMBD * proj.n_embd + ACT_PER_FF * proj.n_ff) * F32
     out = 2 * proj.image_tokens * text_embd * F32  # the embeddings, and the batch's copy
-    working = image + im2col + acts + out + ENCODER_FIXED - LOAD_FIXED
+    at_load = proj.weight_bytes + LOAD_FIXED + image + im2col  # the warm-up's share
+    total = proj.weight_bytes + ENCODER_FIXED + 2 * image + im2col + acts + out
     return VisionCost(
         weights=proj.weight_bytes,
-        at_load=proj.weight_bytes + LOAD_FIXED,
-        working=max(0, working),
+        at_load=at_load,
+        working=max(0, total - at_load),
         image_tokens=proj.image_tokens,
     )
 
