@@ -257,6 +257,8 @@ def test_ollama_images(vision: Vision) -> None:
         stream=False,
     )
     assert (out.prompt_eval_count or 0) >= PER_IMAGE
+    assert "vision" in (client.show(VLM).capabilities or [])
+    assert "vision" not in (client.show(TEXT).capabilities or [])
     gen = client.generate(model=VLM, prompt="What is it?", images=[png], options={"num_predict": 2})
     assert (gen.prompt_eval_count or 0) >= PER_IMAGE
     with pytest.raises(ollama.ResponseError) as info:
