@@ -264,6 +264,8 @@ async def _text(
 ) -> Response:
     openai["model"] = spec.id
     validated = _validated(kind, openai)
+    if isinstance(validated, ChatCompletionRequest):
+        await check_chat_images(services, validated)  # vision: before any load or engine work
     _, num_ctx = shapes.options_to_openai(body.options)
     await _check_num_ctx(services, spec, num_ctx)
     settings = services.settings
@@ -271,7 +273,6 @@ async def _text(
     if max_tokens is not None:
         max_tokens = min(max_tokens, settings.max_tokens_cap)
     if isinstance(validated, ChatCompletionRequest):
-        await check_chat_images(services, validated)  # vision: before any engine work
         inputs: dict[str, Any] = {"messages": _engine_messages(validated, openai["messages"])}
     else:
         inputs = {"prompt": validated.prompt_text()}
