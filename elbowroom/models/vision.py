@@ -222,6 +222,7 @@ class GateCheck:
 
     def details(self) -> dict[str, object]:
         return {
+            "model": self.model,
             "needed": self.footprint,
             "pool_limit": self.pool_limit,
             "vision_gate": self.fraction,

@@ -316,7 +316,7 @@ def test_vision_gate_refuses_the_vision_model_and_warns_for_text(
         client.chat.completions.create(model=VLM, messages=chat("Hi"), max_tokens=2)
     assert info.value.status_code == 507
     err = info.value.body
-    assert isinstance(err, dict) and err["code"] == "vision_gate", err
+    assert isinstance(err, dict) and err["code"] == "vision_gate" and err["model"] == VLM, err
     assert err["needed"] == seeing and err["pool_limit"] == limit
     assert err["vision_gate"] == 0.70 and err["share"] > 0.70
     assert "70%" in err["message"] and "vision_gate" in err["message"]
