@@ -88,6 +88,9 @@ class Settings:
     mlock: bool = False
     threads: int | None = None
     max_tokens_cap: int = 4096  # hard cap on generated tokens for every request
+    # Streamed LLM requests are read by the server straight from the engine's private
+    # socket (server/direct.py) instead of token by token through the runner pipe.
+    direct_streams: bool = True
     # --- lifetimes
     keep_alive: float = 300.0  # seconds an idle mmap (LLM) model stays loaded
     resident_idle: float = 300.0  # seconds an idle resident engine (whisper/piper/onnx) stays

@@ -84,6 +84,10 @@ class LlamaEngine:
         self._lock = threading.Lock()
         self._active = 0
         self._served = 0
+        # Direct streams open now: ticket -> (slot, cache-isolated).
+        self._tickets: dict[int, tuple[int, bool]] = {}
+        self._next_ticket = 0
+        self._direct = 0  # requests served as direct streams
         self.max_concurrent = 1
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -204,11 +208,12 @@ class LlamaEngine:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            active, served = self._active, self._served
+            active, served, direct = self._active, self._served, self._direct
         out: dict[str, Any] = {
             "slots": self._slots,
             "slots_busy": active,
             "requests_served": served,
+            "direct_streams": direct,
             "prompt_cache_grant": self._cache_grant,
         }
         if self._slot_pool is not None:
@@ -245,13 +250,17 @@ class LlamaEngine:
     ) -> dict[str, Any]:
         if self._server is None:
             raise EngineError("the model is not loaded")
-        if op not in ("chat", "completion"):
+        if op == "close":
+            return self._close(payload)
+        if op not in ("chat", "completion", "open"):
             raise BadRequest(f"the llama engine does not serve {op!r} (chat, completion)")
         if self._pressure() >= HARD:  # refuse before spending a prefill on it
             raise MemoryPressure(
                 "memory pressure is hard: no new generation starts; retry later or free memory",
                 code="memory_pressure",
             )
+        if op == "open":
+            return self._open(str(payload.get("kind")), dict(payload.get("request") or {}))
         body, emulated = self._body(op, payload)
         chat = op == "chat" and "messages" in body
         state = StreamState(chat=chat)
@@ -280,7 +289,7 @@ class LlamaEngine:
                 self._served += 1
         pool.observe_prefill(state.timings)
         if state.error is not None:
-            raise _translate(state.error)
+            raise translate_error(state.error)
         if stopped and stopped[0] == "pressure":
             raise MemoryPressure(
                 "generation aborted: memory pressure is hard "
@@ -302,6 +311,68 @@ class LlamaEngine:
         elif result.get("tool_calls") and result["finish_reason"] == "stop":
             result["finish_reason"] = "tool_calls"
         return result
+
+    # ---- direct streams (server/direct.py) ----------------------------------------------
+
+    def _open(self, op: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """Prepare a streamed request that the server process reads straight from the
+        engine's private socket (no token crosses the runner pipe): pick and prepare its
+        slot, and hand back the engine request. Requests whose answer elbowroom must
+        rewrite on the way (emulated tools, the no-template transcript, logprobs) are
+        declined: the server runs them through ``run`` instead."""
+        if op not in ("chat", "completion"):
+            raise BadRequest(f"the llama engine does not stream {op!r} (chat, completion)")
+        body, emulated = self._body(op, payload)
+        chat = op == "chat" and "messages" in body
+        if emulated or (op == "chat" and not chat) or body.get("logprobs") or "n_probs" in body:
+            return {"direct": False}
+        assert self._control is not None and self._slot_pool is not None
+        pool = self._slot_pool
+        isolated = bool(payload.get("cache_salt"))
+        slot = pool.acquire("" if isolated else _slot_key(body))
+        body["id_slot"] = slot
+        body.pop("return_progress", None)  # progress chunks are for the in-runner path only
+        if isolated:
+            body["cache_prompt"] = False
+        with self._lock:
+            self._active += 1
+            ticket = self._next_ticket = self._next_ticket + 1
+            self._tickets[ticket] = (slot, isolated)
+            self._direct += 1
+        try:
+            if not isolated:
+                pool.prepare(slot, "chat" if chat else "completion", _template_body(body))
+        except BaseException:
+            self._close({"ticket": ticket})
+            raise
+        return {
+            "direct": True,
+            "ticket": ticket,
+            "socket": self._control.socket,
+            "key": self._control.key,
+            "path": "/v1/chat/completions" if chat else "/v1/completions",
+            "body": body,
+            "block_tokens": self._block,
+        }
+
+    def _close(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """A direct stream ended (any way): give its slot back."""
+        with self._lock:
+            entry = self._tickets.pop(int(payload.get("ticket", 0)), None)
+            if entry is None:
+                return {"closed": False}
+            self._active -= 1
+            self._served += 1
+        slot, isolated = entry
+        pool = self._slot_pool
+        if pool is not None:
+            if isolated:
+                pool.erase(slot)
+            pool.release(slot)
+            timings = payload.get("timings")
+            if isinstance(timings, dict):
+                pool.observe_prefill(timings)
+        return {"closed": True}
 
     def _call(
         self,
@@ -479,7 +550,7 @@ def _fallback_prompt(messages: list[dict[str, Any]]) -> str:
     return "\n".join([*lines, "Assistant:"])
 
 
-def _translate(err: dict[str, Any]) -> ElbowroomError:
+def translate_error(err: dict[str, Any]) -> ElbowroomError:
     """The engine's error object -> elbowroom's error tree (one place)."""
     code = int(err.get("code") or 500)
     message = str(err.get("message") or "the engine failed")

@@ -15,6 +15,7 @@ from elbowroom.errors import BadRequest, ElbowroomError
 from elbowroom.models.spec import ModelKind, ModelSpec
 from elbowroom.models.vision import capabilities
 from elbowroom.server.deps import get_services, parse_keep_alive
+from elbowroom.server.direct import open_direct
 from elbowroom.server.errors import public_error
 from elbowroom.server.images import check_chat_images
 from elbowroom.server.metrics import record_tokens
@@ -25,9 +26,11 @@ from elbowroom.server.sse import (
     ClientGone,
     Generation,
     ManagedStream,
+    abandon,
     gone_response,
-    open_generation,
+    hold_runner,
     sse,
+    start_generation,
     unless_client_leaves,
 )
 
@@ -110,9 +113,20 @@ async def _generate(
     top = body.top_count()
     view = Logprobs(kind, top) if top is not None else None
 
-    generation = await open_generation(services.scheduler, spec.id, keep_alive, kind, payload)
+    runner, stack = await hold_runner(services.scheduler, spec.id, keep_alive)
+    if body.stream and settings.direct_streams:
+        try:
+            direct = await open_direct(runner, stack, spec.id, kind, payload, body.include_usage())
+        except BaseException as exc:
+            await abandon(stack, exc)
+            raise
+        if direct is not None:
+            return ManagedStream(direct, release=direct.release)
+    generation = await start_generation(runner, stack, kind, payload)
     if body.stream:
-        return ManagedStream(_stream(generation, envelope, body.include_usage(), view))
+        return ManagedStream(
+            _stream(generation, envelope, body.include_usage(), view), release=generation.release
+        )
     try:
         done = await unless_client_leaves(request, _collect(generation))
     except ClientGone:
