@@ -155,7 +155,8 @@ def test_chat_with_png_and_jpeg_counts_the_image_tokens(vision: Vision) -> None:
     added = both.usage.prompt_tokens - plain.usage.prompt_tokens
     # Each image is PER_IMAGE embeddings plus its begin/end markers (a few text tokens).
     assert 2 * PER_IMAGE <= added <= 2 * PER_IMAGE + 32, (plain.usage, both.usage)
-    # Streaming too, with usage.
+    # Streaming too, with usage: relayed straight from the engine (server/direct.py).
+    direct = next(r for r in vision.server.ps() if r["id"] == VLM)["engine_stats"]
     chunks = list(
         client.chat.completions.create(
             model=VLM,
@@ -167,6 +168,8 @@ def test_chat_with_png_and_jpeg_counts_the_image_tokens(vision: Vision) -> None:
     )
     usage = [c.usage for c in chunks if c.usage is not None]
     assert usage and usage[-1].prompt_tokens >= PER_IMAGE
+    after = next(r for r in vision.server.ps() if r["id"] == VLM)["engine_stats"]
+    assert after["direct_streams"] == direct["direct_streams"] + 1
 
 
 def test_footprint_predicted_vs_measured_with_and_without_an_image(vision: Vision) -> None:
