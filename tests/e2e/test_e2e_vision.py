@@ -350,3 +350,14 @@ def test_auto_sized_vision_context_stays_inside_the_gate(
     row = next(r for r in server.ps() if r["id"] == VLM)
     assert row["predicted"] <= 0.70 * limit, (row, limit)
     assert row["n_ctx"] < CTX  # sized inside the gate, not to the load ceiling
+
+
+def test_images_that_cannot_fit_the_context_are_400_before_the_engine(vision: Vision) -> None:
+    png = data_url(picture("PNG", (64, 64)), "image/png")
+    with pytest.raises(openai.BadRequestError) as info:  # 4 x 256 tokens in --ctx 1024
+        vision.server.openai().chat.completions.create(
+            model=VLM, messages=chat("Look.", png, png, png, png), max_tokens=2
+        )
+    err = info.value.body
+    assert isinstance(err, dict) and err["code"] == "context_length_exceeded", err
+    assert err["image_tokens"] == 4 * PER_IMAGE and err["n_ctx"] == 1024
