@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from elbowroom.config import KV_TYPES
 from elbowroom.engines.base import Cancelled, Emit
 from elbowroom.engines.llama_control import EngineControl
 from elbowroom.engines.llama_slots import Slots
@@ -38,13 +39,12 @@ from elbowroom.errors import (
     Unavailable,
 )
 from elbowroom.kvcache import CacheKey
+from elbowroom.memory.types import Pressure
 from elbowroom.models.estimate import CTX_CHECKPOINTS
 from elbowroom.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
-KV_TYPES = ("f16", "q8_0", "q4_0")
-HARD = 2  # pressure level at which generations are aborted
 # Prompt batches: the engine reports progress once per batch, which bounds how long a
 # cancellation waits during a long prefill. 512 is also the compute micro-batch.
 N_BATCH = 512
@@ -76,7 +76,6 @@ class LlamaEngine:
         self._chat_template = False
         self._native_tools = False
         self._max_tokens_cap: int | None = None
-        self._seed: int | None = None
         self._pressure: Callable[[], int] = lambda: 0
         self._slot_pool: Slots | None = None
         self._cache_grant = 0  # bytes the engine's RAM prompt cache may hold
@@ -105,8 +104,6 @@ class LlamaEngine:
         self._pressure = options.get("pressure") or (lambda: 0)
         cap = options.get("max_tokens_cap")
         self._max_tokens_cap = int(cap) if cap else None
-        seed = options.get("seed")
-        self._seed = int(seed) if seed is not None else None
         self._chat_template = bool(spec.gguf is not None and spec.gguf.has_chat_template)
 
         control = self._control = EngineControl()
@@ -254,13 +251,14 @@ class LlamaEngine:
             return self._close(payload)
         if op not in ("chat", "completion", "open"):
             raise BadRequest(f"the llama engine does not serve {op!r} (chat, completion)")
-        if self._pressure() >= HARD:  # refuse before spending a prefill on it
+        if self._pressure() >= Pressure.HARD:  # refuse before spending a prefill on it
             raise MemoryPressure(
                 "memory pressure is hard: no new generation starts; retry later or free memory",
                 code="memory_pressure",
             )
         if op == "open":
-            return self._open(str(payload.get("kind")), dict(payload.get("request") or {}))
+            request = dict(payload.get("request") or {})
+            return self._open(str(payload.get("kind")), request, bool(payload.get("stream")))
         body, emulated = self._body(op, payload)
         chat = op == "chat" and "messages" in body
         state = StreamState(chat=chat)
@@ -314,12 +312,12 @@ class LlamaEngine:
 
     # ---- direct streams (server/direct.py) ----------------------------------------------
 
-    def _open(self, op: str, payload: dict[str, Any]) -> dict[str, Any]:
-        """Prepare a streamed request that the server process reads straight from the
-        engine's private socket (no token crosses the runner pipe): pick and prepare its
-        slot, and hand back the engine request. Requests whose answer elbowroom must
-        rewrite on the way (emulated tools, the no-template transcript, logprobs) are
-        declined: the server runs them through ``run`` instead."""
+    def _open(self, op: str, payload: dict[str, Any], stream: bool) -> dict[str, Any]:
+        """Prepare a request that the server process sends to the engine's private socket
+        itself (no token crosses the runner pipe): pick and prepare its slot, and hand
+        back the engine request (``stream`` or one JSON answer). Requests whose answer
+        elbowroom must rewrite on the way (emulated tools, the no-template transcript,
+        logprobs) are declined: the server runs them through ``run`` instead."""
         if op not in ("chat", "completion"):
             raise BadRequest(f"the llama engine does not stream {op!r} (chat, completion)")
         body, emulated = self._body(op, payload)
@@ -332,6 +330,9 @@ class LlamaEngine:
         slot = pool.acquire("" if isolated else _slot_key(body))
         body["id_slot"] = slot
         body.pop("return_progress", None)  # progress chunks are for the in-runner path only
+        if not stream:
+            body["stream"] = False
+            body.pop("stream_options", None)
         if isolated:
             body["cache_prompt"] = False
         with self._lock:
@@ -398,7 +399,7 @@ class LlamaEngine:
             if cancelled():
                 stopped.append("cancelled")
                 return True
-            if self._pressure() >= HARD:
+            if self._pressure() >= Pressure.HARD:
                 stopped.append("pressure")
                 return True
             return False
@@ -444,8 +445,6 @@ class LlamaEngine:
             max_tokens = min(max_tokens or self._max_tokens_cap, self._max_tokens_cap)
         if max_tokens:
             body["max_tokens"] = int(max_tokens)
-        if "seed" not in body and self._seed is not None:
-            body["seed"] = self._seed
         if op == "completion" and body.get("logprobs"):
             # /v1/completions' logprobs is the number of alternatives (legacy shape).
             body["n_probs"] = int(body.pop("logprobs"))

@@ -13,7 +13,10 @@ safe side of the line. A process that no longer exists raises ProcessLookupError
 
 from __future__ import annotations
 
+import os
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -21,7 +24,7 @@ import psutil
 from elbowroom.memory.nvml import gpu_bytes_by_pid
 from elbowroom.memory.types import ZERO_PROCESS_MEMORY, ProcessMemory
 
-__all__ = ["measure_pid", "measure_tree", "parse_smaps_rollup", "parse_status"]
+__all__ = ["ServerBytes", "measure_pid", "measure_tree", "parse_smaps_rollup", "parse_status"]
 
 _PROC = Path("/proc")
 
@@ -138,3 +141,25 @@ def measure_tree(pid: int, *, include_self: bool = True) -> ProcessMemory:
         except ProcessLookupError:
             continue
     return total
+
+
+class ServerBytes:
+    """The server process's anonymous bytes (request bodies, Python objects: what it cannot
+    give back), re-read at most every ``ttl`` seconds: the scheduler asks on every decision.
+    File-backed pages (the interpreter, libraries) are left out, as for runners' weights."""
+
+    def __init__(self, ttl: float = 0.5, clock: Callable[[], float] = time.monotonic) -> None:
+        self._ttl = ttl
+        self._clock = clock
+        self._at = -ttl
+        self._value = 0
+
+    def __call__(self) -> int:
+        now = self._clock()
+        if now - self._at >= self._ttl:
+            try:
+                self._value = measure_pid(os.getpid()).anonymous
+            except (ProcessLookupError, OSError):
+                self._value = 0
+            self._at = now
+        return self._value

@@ -37,8 +37,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import anyio
 
-from elbowroom.engines.llama import HARD, translate_error
+from elbowroom.engines.llama import translate_error
 from elbowroom.errors import ElbowroomError, EngineError, MemoryPressure, RunnerCrashed
+from elbowroom.memory.types import Pressure
 from elbowroom.server.errors import public_error
 from elbowroom.server.metrics import record_tokens
 from elbowroom.server.sse import DONE, sse
@@ -84,6 +85,7 @@ async def open_direct(
     kind: str,
     payload: dict[str, Any],
     include_usage: bool,
+    stream: bool = True,
 ) -> DirectStream | None:
     """The client's SSE body read straight from the engine, or None when this runner or
     this request needs the runner's own path. ``stack`` holds the scheduler's claim on the
@@ -91,15 +93,15 @@ async def open_direct(
     caller)."""
     if not isinstance(runner, DirectRunner) or not runner.direct_streams:
         return None
-    ticket = await _answer(runner, "open", {"kind": kind, "request": payload})
+    ticket = await _answer(runner, "open", {"kind": kind, "request": payload, "stream": stream})
     if not ticket.get("direct"):
         return None
-    stream = DirectStream(runner, model, ticket, include_usage, stack)
-    stack.push_async_callback(stream.close_ticket)
-    await stream.connect()
-    stack.callback(stream.disconnect)
-    stack.callback(runner.watch_pressure(stream.on_pressure))
-    return stream
+    direct = DirectStream(runner, model, ticket, include_usage, stack)
+    stack.push_async_callback(direct.close_ticket)
+    await direct.connect(stream)
+    stack.callback(direct.disconnect)
+    stack.callback(runner.watch_pressure(direct.on_pressure))
+    return direct
 
 
 class DirectStream:
@@ -124,6 +126,7 @@ class DirectStream:
         self.model_field = b'"model":' + json.dumps(model).encode()
         self.engine_model: bytes | None = None  # the engine's own "model" field, once seen
         self.reader: asyncio.StreamReader | None = None
+        self.headers: dict[str, str] = {}
         self.writer: asyncio.StreamWriter | None = None
         self.timings: dict[str, Any] | None = None
         self.aborted: str | None = None
@@ -132,7 +135,7 @@ class DirectStream:
 
     # ---- the engine connection ---------------------------------------------------------
 
-    async def connect(self) -> None:
+    async def connect(self, stream: bool = True) -> None:
         body = json.dumps(self.ticket["body"], separators=(",", ":")).encode()
         try:
             self.reader, self.writer = await asyncio.open_unix_connection(
@@ -147,12 +150,22 @@ class DirectStream:
                 ).encode()
                 + body
             )
+        except OSError as exc:
+            raise self._lost(exc) from exc
+        if stream:  # the first token is there before the response starts
+            await self._start(stream)
+
+    async def _start(self, stream: bool) -> None:
+        """The engine's response head: a refusal raises (with its status), a stream must be
+        chunked. A non-streamed request's head comes with its whole answer."""
+        try:
             status, headers = await self._head()
         except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
             raise self._lost(exc) from exc
         if status != 200:
             raise await self._refusal(status, headers)
-        if "chunked" not in headers.get("transfer-encoding", ""):
+        self.headers = headers
+        if stream and "chunked" not in headers.get("transfer-encoding", ""):
             raise EngineError(f"the engine answered a stream without chunked encoding: {headers}")
 
     async def _head(self) -> tuple[int, dict[str, str]]:
@@ -179,6 +192,40 @@ class DirectStream:
             err = {"message": str(err)}
         return translate_error({"code": status, **err})
 
+    async def answer(self) -> dict[str, Any]:
+        """A non-streamed request's whole answer, rewritten as a stream's usage event is;
+        everything is given back before it returns (or raises)."""
+        failure: BaseException | None = None
+        try:
+            await self._start(stream=False)
+            data = await self._read_body()
+            chunk = json.loads(data)
+            if not isinstance(chunk, dict):
+                raise EngineError(f"the engine answered {data[:200]!r}")
+            if "error" in chunk:
+                err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": chunk}
+                raise translate_error(err)
+            self._account(chunk)
+            chunk["model"] = self.model
+            return chunk
+        except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+            failure = self._lost(exc)
+            raise failure from exc
+        except BaseException as exc:
+            failure = exc
+            raise
+        finally:
+            await self.release(failure)
+
+    async def _read_body(self) -> bytes:
+        assert self.reader is not None
+        if "chunked" not in self.headers.get("transfer-encoding", ""):
+            return await self.reader.readexactly(int(self.headers.get("content-length", "0")))
+        parts = []
+        while size := int((await self.reader.readline()).split(b";", 1)[0], 16):
+            parts.append((await self.reader.readexactly(size + 2))[:-2])
+        return b"".join(parts)
+
     def disconnect(self) -> None:
         """Close the engine connection: a generation whose reader left is cancelled."""
         if self.writer is not None:
@@ -197,7 +244,7 @@ class DirectStream:
                 log.debug("closing direct stream %s: %s", self.ticket.get("ticket"), exc)
 
     def on_pressure(self, level: int) -> None:
-        if level >= HARD and not self.finished and self.aborted is None:
+        if level >= Pressure.HARD and not self.finished and self.aborted is None:
             self.aborted = "pressure"
             self.disconnect()
 
@@ -309,6 +356,24 @@ class DirectStream:
             out.append(self._renamed(data).join((b"data: ", b"\n\n")))
         return b"".join(out), done
 
+    def _account(self, chunk: dict[str, Any]) -> None:
+        """Take the engine's timings out of ``chunk`` (for the cost model), round its
+        cached_tokens down to whole blocks and count its tokens."""
+        timings = chunk.pop("timings", None)
+        if isinstance(timings, dict):
+            self.timings = {
+                k: timings[k]
+                for k in ("cache_n", "prompt_n", "prompt_ms", "predicted_n", "predicted_ms")
+                if k in timings
+            }
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and "cached_tokens" in details:
+                cached = int(details["cached_tokens"])
+                details["cached_tokens"] = cached - cached % self.block
+            record_tokens(self.model, usage)
+
     def _renamed(self, data: bytes) -> bytes:
         if self.engine_model is None:
             return data
@@ -319,22 +384,9 @@ class DirectStream:
         if "error" in chunk:
             err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": chunk}
             raise translate_error(err)
-        usage = chunk.pop("usage", None)
-        timings = chunk.pop("timings", None)
-        if isinstance(timings, dict):
-            self.timings = {
-                k: timings[k]
-                for k in ("cache_n", "prompt_n", "prompt_ms", "predicted_n", "predicted_ms")
-                if k in timings
-            }
-        if isinstance(usage, dict):
-            details = usage.get("prompt_tokens_details")
-            if isinstance(details, dict) and "cached_tokens" in details:
-                cached = int(details["cached_tokens"])
-                details["cached_tokens"] = cached - cached % self.block
-            record_tokens(self.model, usage)
-            if self.include_usage:
-                chunk["usage"] = usage
+        self._account(chunk)
+        if not self.include_usage:
+            chunk.pop("usage", None)
         if "model" in chunk:
             chunk["model"] = self.model
         if not chunk.get("choices") and "usage" not in chunk:

@@ -114,14 +114,25 @@ async def _generate(
     view = Logprobs(kind, top) if top is not None else None
 
     runner, stack = await hold_runner(services.scheduler, spec.id, keep_alive)
-    if body.stream and settings.direct_streams:
+    if settings.direct_streams:
+        stream = bool(body.stream)
         try:
-            direct = await open_direct(runner, stack, spec.id, kind, payload, body.include_usage())
+            direct = await open_direct(
+                runner, stack, spec.id, kind, payload, body.include_usage(), stream
+            )
         except BaseException as exc:
             await abandon(stack, exc)
             raise
-        if direct is not None:
+        if direct is not None and stream:
             return ManagedStream(direct, release=direct.release)
+        if direct is not None:
+            try:
+                answer = await unless_client_leaves(request, direct.answer())
+            except ClientGone:
+                log.info("client went away before its answer: cancelled a request on %s", spec.id)
+                await direct.release()
+                return gone_response()
+            return JSONResponse(answer)
     generation = await start_generation(runner, stack, kind, payload)
     if body.stream:
         return ManagedStream(

@@ -67,7 +67,7 @@ def test_switching_to_a_vision_model_waits_for_the_larger_margin(
 ) -> None:
     async def scenario() -> None:
         h = harness(unload_settle_timeout=5.0)
-        start, plain = h.clock.now, h.sched._probe
+        start, plain = h.clock.now, h.sched.residency._probe
 
         def probe() -> Snapshot:
             # Freed memory comes back in steps: 300, then 550, then 600 MiB available.
@@ -75,16 +75,17 @@ def test_switching_to_a_vision_model_waits_for_the_larger_margin(
             h.machine.other = (700 if waited < 1 else 450 if waited < 2 else 400) * MiB
             return plain()
 
-        h.sched._probe = probe
+        h.sched.residency._probe = probe
+        factor = h.sched.settings.vision_settle_factor  # 1.5
         # 1.5 x 400 MiB = 600 MiB; the eviction could give back 300 + 500.
-        await h.sched._settle_vision("v", 400 * MiB, 300 * MiB, 500 * MiB)
+        await h.sched.residency._settle().vision("v", 400 * MiB, 300 * MiB, 500 * MiB, factor)
         assert 2.0 <= h.clock.now - start < 2.2
-        h.sched._probe = plain
+        h.sched.residency._probe = plain
         # Never enough: the wait ends at the deadline with a warning, and the load goes on.
         h.machine.other = 900 * MiB
         start = h.clock.now
         with caplog.at_level(logging.WARNING):
-            await h.sched._settle_vision("v", 400 * MiB, 100 * MiB, 500 * MiB)
+            await h.sched.residency._settle().vision("v", 400 * MiB, 100 * MiB, 500 * MiB, factor)
         assert h.clock.now - start >= 5.0
         assert "the vision settle waits for" in caplog.text
 

@@ -68,6 +68,7 @@ class Engine:
         self.status = status
         self.pieces = pieces
         self.hold = hold  # keep the stream open after the pieces (until the client leaves)
+        self.chunked = True  # False: one JSON answer (a non-streamed request)
         self.requests: list[dict[str, Any]] = []
         self.closed = asyncio.Event()
 
@@ -77,10 +78,10 @@ class Engine:
         self.requests.append(
             {"head": head.decode(), "body": json.loads(await reader.readexactly(length))}
         )
-        if self.status != 200:
+        if self.status != 200 or not self.chunked:
             body = self.pieces[0]
             writer.write(
-                f"HTTP/1.1 {self.status} Bad Request\r\nContent-Type: application/json\r\n"
+                f"HTTP/1.1 {self.status} -\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
                 + body
             )
@@ -274,4 +275,41 @@ def test_hard_pressure_aborts_and_closes_the_engine_connection(tmp_path: Path) -
 def test_a_request_the_runner_declines_is_left_to_the_pipe_path(tmp_path: Path) -> None:
     body, engine, runner, released = asyncio.run(_relay(tmp_path, 200, [], direct=False))
     assert body is None and not engine.requests and not runner.closed
+    assert released == ["scheduler"]
+
+
+def test_a_non_streamed_answer_is_read_whole_and_rewritten(tmp_path: Path) -> None:
+    answer = {
+        "choices": [{"finish_reason": "stop", "index": 0, "message": {"content": "Hi"}}],
+        "model": ENGINE_MODEL,
+        "object": "chat.completion",
+        "usage": {"prompt_tokens": 70, "prompt_tokens_details": {"cached_tokens": 69}},
+        "timings": {"prompt_n": 1, "prompt_ms": 2.0},
+    }
+
+    async def run() -> tuple[dict[str, Any], Engine, Runner, list[str]]:
+        sock = tmp_path / "engine.sock"
+        engine = Engine(sock, 200, [json.dumps(answer).encode()])
+        engine.chunked = False
+        server = await asyncio.start_unix_server(engine.handle, path=str(sock))
+        runner = Runner(sock)
+        released: list[str] = []
+        stack = AsyncExitStack()
+        stack.callback(released.append, "scheduler")
+        try:
+            direct = await open_direct(
+                runner, stack, "smollm2-135m", "chat", {"messages": []}, False, stream=False
+            )
+            assert direct is not None
+            return await direct.answer(), engine, runner, released
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    got, engine, runner, released = asyncio.run(run())
+    assert engine.requests[0]["body"]["stream"] is True  # the runner decided the body
+    assert got["model"] == "smollm2-135m" and "timings" not in got
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+    assert got["choices"][0]["message"]["content"] == "Hi"
+    assert runner.closed == [{"ticket": 7, "timings": {"prompt_n": 1, "prompt_ms": 2.0}}]
     assert released == ["scheduler"]
