@@ -124,6 +124,10 @@ class Settings:
     kv_ram_max: int = _size(default=512 * 1024**2)
     kv_disk_max: int = _size(default=4 * 1024**3)
     kv_block_tokens: int = 64
+    # --- cluster (docs/cluster.md; needs the `cluster` extra)
+    cluster: str | None = None  # Ray address ("auto", "10.0.0.1:6379"); None: one machine
+    cluster_poll: float = 0.5  # seconds between readings of every node's memory
+    rpc_host: str = "127.0.0.1"  # where llama.cpp RPC servers bind: loopback/private only
 
     @property
     def models_path(self) -> Path:
@@ -260,3 +264,11 @@ def _validate(s: Settings) -> None:
             raise ConfigError(f"{name} must be >= 0, not {getattr(s, name)}")
     if s.kv_block_tokens < 1:
         raise ConfigError(f"kv_block_tokens must be >= 1, not {s.kv_block_tokens}")
+    if s.cluster_poll <= 0:
+        raise ConfigError(f"cluster_poll must be > 0 seconds, not {s.cluster_poll}")
+    from elbowroom.cluster.rpc import RpcBindError, check_rpc_bind
+
+    try:
+        check_rpc_bind(s.rpc_host)
+    except RpcBindError as exc:
+        raise ConfigError(f"rpc_host: {exc}") from None

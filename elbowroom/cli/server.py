@@ -53,6 +53,14 @@ def register(sub: Any) -> None:
         help="do not react to memory pressure (the monitor still samples)",
     )
     p.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"))
+    p.add_argument(
+        "--cluster",
+        "--ray-address",
+        dest="cluster",
+        default=None,
+        metavar="ADDRESS",
+        help="serve over a Ray cluster (auto, HOST:6379); docs/cluster.md",
+    )
     p.set_defaults(func=cmd_serve)
 
     for name, helptext, func in (
@@ -127,6 +135,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_paths=args.model,
         log_level=args.log_level,
         memory_guard=args.memory_guard,
+        cluster=args.cluster,
     )
     from elbowroom.server.auth import check_exposure
 

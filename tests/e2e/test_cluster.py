@@ -1,0 +1,200 @@
+"""elbowroom over a real Ray cluster simulated on this machine (docs/cluster.md).
+
+``ray.cluster_utils.Cluster`` starts a head and two worker raylets here, each a node with
+its own id; ``ELBOWROOM_OVERRIDE_MEMORY`` in each node's environment makes them unequal
+(every simulated node would otherwise see this whole machine). Ray's own OOM killer is off
+for the same reason. One cluster for the module; every test builds and closes its own
+router (real agents, real runner processes, the bundled SmolLM2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from elbowroom.config import Settings
+from elbowroom.errors import InsufficientMemory, RunnerCrashed
+from elbowroom.models.catalog import discover
+
+ray = pytest.importorskip("ray")
+cluster_utils = pytest.importorskip("ray.cluster_utils")
+
+pytestmark = pytest.mark.slow
+
+MiB = 1024**2
+SMOLLM2 = "smollm2-135m"
+COUNTING = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "temperature": 0}
+# Each node's size: the head too small for any model; B the best fit, A the fallback.
+HEAD, NODE_A, NODE_B = "160MiB", "3GiB", "1536MiB"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    env = {"RAY_memory_monitor_refresh_ms": "0"}  # Ray's OOM killer: off (shared host)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    fast_failure = {  # notice a killed node in about a second, not Ray's 30 s default
+        "health_check_initial_delay_ms": 0,
+        "health_check_period_ms": 300,
+        "health_check_timeout_ms": 300,
+        "health_check_failure_threshold": 3,
+    }
+    node_args = {"num_cpus": 1, "object_store_memory": 80 * MiB, "include_dashboard": False}
+    c = cluster_utils.Cluster(
+        initialize_head=True,
+        head_node_args={
+            **node_args,
+            "env_vars": {"ELBOWROOM_OVERRIDE_MEMORY": HEAD},
+            "_system_config": fast_failure,
+        },
+    )
+    nodes = {
+        "a": c.add_node(**node_args, env_vars={"ELBOWROOM_OVERRIDE_MEMORY": NODE_A}),
+        "b": c.add_node(**node_args, env_vars={"ELBOWROOM_OVERRIDE_MEMORY": NODE_B}),
+    }
+    c.wait_for_nodes()
+    ray.init(address=c.address, namespace="elbowroom", log_to_driver=False)
+    c.named = nodes  # type: ignore[attr-defined]
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def settings_for(c: Any) -> Settings:
+    return Settings(
+        cluster=c.address,
+        cluster_poll=0.25,
+        load_timeout=120.0,
+        stop_grace=2.0,
+        slots=1,
+        max_ctx=1024,
+        kv_cache=False,
+        kv_ram_max=0,
+    )
+
+
+async def wait_for(predicate: Any, deadline: float, what: str) -> None:
+    end = time.monotonic() + deadline
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {deadline} s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def complete(router: Any, max_tokens: int = 4) -> list[dict[str, Any]]:
+    async with router.use(SMOLLM2) as runner:
+        return [
+            item
+            async for item in runner.request("completion", {**COUNTING, "max_tokens": max_tokens})
+        ]
+
+
+def node_of(c: Any, name: str) -> Any:
+    """The cluster_utils node whose id the router's node name ends with."""
+    for node in c.named.values():
+        if name.endswith(node.node_id[:6]):
+            return node
+    raise LookupError(name)
+
+
+def test_nodes_seen_with_their_own_memory_and_model_placed_by_best_fit(cluster: Any) -> None:
+    from elbowroom.cluster.connect import ClusterServices
+
+    async def main() -> None:
+        settings = settings_for(cluster)
+        cs = ClusterServices(settings, discover(settings), None)
+        router = await cs.build()
+        try:
+            totals = sorted(e.node.snapshot().total for e in router.live())
+            assert totals == sorted([160 * MiB, 3 * 1024 * MiB, 1536 * MiB]), (
+                "each node's probe applies its own override"
+            )
+            items = await complete(router)
+            assert items[-1]["type"] == "done" and items[-1]["text"].strip()
+            (row,) = router.ps()
+            b = cluster.named["b"]
+            assert row["node"].endswith(b.node_id[:6]), (row, "best fit is node B")
+            report = router.memory_report()
+            assert report["cluster"] is True and len(report["nodes"]) == 3
+            assert report["cluster_pressure"]["level"] in ("normal", "soft", "hard")
+            assert {n["name"] for n in report["nodes"] if SMOLLM2 in n.get("models", [])} == {
+                row["node"]
+            }
+        finally:
+            await router.close()
+
+    asyncio.run(main())
+
+
+def test_a_model_too_big_for_every_node_is_refused_with_each_node(cluster: Any) -> None:
+    from elbowroom.cluster.connect import ClusterServices
+
+    async def main() -> None:
+        # max_ctx beyond what SmolLM2's KV fits in B or A with 64 slots, min_ctx forcing it
+        settings = settings_for(cluster).replace(slots=64, min_ctx=8192, max_ctx=8192)
+        cs = ClusterServices(settings, discover(settings), None)
+        router = await cs.build()
+        try:
+            with pytest.raises(InsufficientMemory) as err:
+                await complete(router)
+            assert err.value.status == 507
+            names = [n["name"] for n in err.value.details["nodes"]]
+            assert len(names) == 3
+            assert all(name in err.value.message for name in names)
+        finally:
+            await router.close()
+
+    asyncio.run(main())
+
+
+def test_node_killed_mid_stream_fails_fast_then_model_is_replaced_and_served(
+    cluster: Any,
+) -> None:
+    """Runs last: it removes node B from the module's cluster."""
+    from elbowroom.cluster.connect import ClusterServices
+
+    async def main() -> None:
+        settings = settings_for(cluster)
+        cs = ClusterServices(settings, discover(settings), None)
+        router = await cs.build()
+        try:
+            await complete(router)  # loaded on B (best fit)
+            (row,) = router.ps()
+            victim = node_of(cluster, row["node"])
+            assert victim is cluster.named["b"]
+            got: list[dict[str, Any]] = []
+            with pytest.raises(RunnerCrashed) as err:
+                async with router.use(SMOLLM2) as runner:
+                    payload = {**COUNTING, "max_tokens": 400}
+                    async for item in runner.request("completion", payload):
+                        got.append(item)
+                        if len(got) == 1:  # mid-stream: kill the node (raylet and workers)
+                            killed_at = time.monotonic()
+                            cluster.remove_node(victim, allow_graceful=False)
+            failed_in = time.monotonic() - killed_at
+            assert got and got[-1].get("type") != "done"
+            assert row["node"] in err.value.message and err.value.status == 503
+            assert failed_in < 15.0, f"the in-flight request took {failed_in:.1f} s to fail"
+            # The next request places the model again, on A, and is served.
+            items = await complete(router)
+            assert items[-1]["type"] == "done"
+            (again,) = router.ps()
+            assert again["node"].endswith(cluster.named["a"].node_id[:6])
+            gone = [n for n in router.memory_report()["nodes"] if not n["alive"]]
+            assert [n["name"] for n in gone] == [row["node"]]
+        finally:
+            await router.close()
+
+    asyncio.run(main())
