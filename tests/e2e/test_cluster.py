@@ -159,6 +159,32 @@ def test_a_model_too_big_for_every_node_is_refused_with_each_node(cluster: Any) 
     asyncio.run(main())
 
 
+def test_serve_cluster_answers_openai_and_shows_nodes(cluster: Any, server_factory: Any) -> None:
+    """The real server joined to the cluster (`serve --cluster ADDRESS`), the official
+    client; /api/memory and ps show the nodes and where the model runs."""
+    server = server_factory(
+        "--cluster",
+        cluster.address,
+        "--slots",
+        "1",
+        env={"ELBOWROOM_MAX_CTX": "1024", "ELBOWROOM_KV_CACHE": "false"},
+    )
+    reply = server.openai().chat.completions.create(
+        model=SMOLLM2,
+        messages=[{"role": "user", "content": "Count: 1, 2, 3,"}],
+        max_tokens=4,
+        temperature=0,
+    )
+    assert reply.choices[0].message.content
+    with server.http() as http:
+        memory = http.get("/api/memory").json()
+    assert memory["cluster"] is True
+    assert len([n for n in memory["nodes"] if n["alive"]]) == 3
+    (row,) = server.ps()
+    assert row["node"].endswith(cluster.named["b"].node_id[:6])
+    assert server.stop() == 0
+
+
 def test_node_killed_mid_stream_fails_fast_then_model_is_replaced_and_served(
     cluster: Any,
 ) -> None:
@@ -184,6 +210,7 @@ def test_node_killed_mid_stream_fails_fast_then_model_is_replaced_and_served(
                             killed_at = time.monotonic()
                             cluster.remove_node(victim, allow_graceful=False)
             failed_in = time.monotonic() - killed_at
+            print(f"in-flight request failed {failed_in:.2f} s after the node was killed")
             assert got and got[-1].get("type") != "done"
             assert row["node"] in err.value.message and err.value.status == 503
             assert failed_in < 15.0, f"the in-flight request took {failed_in:.1f} s to fail"
