@@ -128,6 +128,8 @@ class Settings:
     cluster: str | None = None  # Ray address ("auto", "10.0.0.1:6379"); None: one machine
     cluster_poll: float = 0.5  # seconds between readings of every node's memory
     rpc_host: str = "127.0.0.1"  # where llama.cpp RPC servers bind: loopback/private only
+    cluster_split: bool = True  # a model that fits on no node is split over nodes (RPC)
+    rpc_bin_dir: Path | None = None  # rpc-server + llama-server; default: the cached build
 
     @property
     def models_path(self) -> Path:

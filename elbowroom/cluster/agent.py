@@ -15,11 +15,17 @@ head raises exactly the error the runner raised. When a runner dies on its own,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import socket
-from collections.abc import AsyncIterator
+import subprocess
+import time
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
 from typing import Any
 
+from elbowroom.cluster.rpc import RpcBindError, rpc_server_args
 from elbowroom.config import Settings
 from elbowroom.errors import ElbowroomError
 from elbowroom.memory.probe import default_probe
@@ -31,14 +37,20 @@ from elbowroom.runtime.supervisor import Supervisor
 from elbowroom.units import parse_size
 
 OVERRIDE_ENV = "ELBOWROOM_OVERRIDE_MEMORY"
+RPC_HOST_ENV = "ELBOWROOM_RPC_HOST"
+RPC_READY_TIMEOUT = 60.0
 
 
-def node_settings(head: Settings, environ: dict[str, str] | None = None) -> Settings:
-    """The head's settings with this node's memory override: a node's own environment
-    decides how large it looks (the head's override describes the head's machine)."""
+def node_settings(head: Settings, environ: Mapping[str, str] | None = None) -> Settings:
+    """The head's settings with this node's own memory override and RPC address: a node's
+    environment decides how large it looks and where its RPC server may listen (the
+    head's values describe the head's machine)."""
     env = os.environ if environ is None else environ
     raw = env.get(OVERRIDE_ENV)
-    return head.replace(override_memory=parse_size(raw) if raw else None)
+    return head.replace(
+        override_memory=parse_size(raw) if raw else None,
+        rpc_host=env.get(RPC_HOST_ENV) or head.rpc_host,
+    )
 
 
 class NodeAgent:
@@ -47,6 +59,7 @@ class NodeAgent:
         self._probe = default_probe(self._settings)
         self._runners: dict[str, Supervisor] = {}
         self._exits: dict[str, asyncio.Future[str | None]] = {}
+        self._rpc: dict[str, subprocess.Popen[bytes]] = {}
 
     # ---- the node --------------------------------------------------------------------
 
@@ -65,6 +78,9 @@ class NodeAgent:
         except (ProcessLookupError, OSError):
             agent = 0
         runners = {key: sup.measure() for key, sup in self._runners.items()}
+        for key, proc in self._rpc.items():
+            with contextlib.suppress(ProcessLookupError, OSError):
+                runners[key] = measure_pid(proc.pid)
         return {"snapshot": snap, "agent_bytes": agent, "runners": runners}
 
     # ---- one runner ------------------------------------------------------------------
@@ -132,8 +148,56 @@ class NodeAgent:
             sup.set_pressure(level)
 
     async def shutdown(self, grace: float) -> None:
-        """Stop every runner (the head is closing)."""
+        """Stop every runner and RPC server (the head is closing)."""
         await asyncio.gather(*(self.stop(k, grace) for k in list(self._runners)))
+        await asyncio.gather(*(self.stop_rpc(k, grace) for k in list(self._rpc)))
+
+    # ---- one llama.cpp RPC server (a share of a split model) -----------------------------
+
+    async def start_rpc(self, key: str, binary: str, mem_bytes: int | None) -> dict[str, Any]:
+        """Start ``rpc-server`` on this node's ``rpc_host`` (loopback or private only) and
+        wait until it accepts connections; ``{"endpoint": "host:port"}`` or an error."""
+        host = self._settings.rpc_host
+        try:
+            port = _free_port(host)
+            args = rpc_server_args(Path(binary), host, port, mem_bytes)
+        except (RpcBindError, OSError) as exc:
+            return {"error": _engine_error(f"cannot start an RPC server here: {exc}")}
+        if not Path(binary).is_file():
+            return {"error": _engine_error(f"no rpc-server at {binary}: run scripts/rpc_engine.sh")}
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._rpc[key] = proc
+        loop = asyncio.get_running_loop()
+        exit_future: asyncio.Future[str | None] = loop.create_future()
+        self._exits[key] = exit_future
+        deadline = time.monotonic() + RPC_READY_TIMEOUT
+        while not await asyncio.to_thread(_accepts, host, port):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                await self.stop_rpc(key, 1.0)
+                return {"error": _engine_error(f"rpc-server on {host}:{port} did not start")}
+            await asyncio.sleep(0.05)  # a child's port opening: nothing to wait on but it
+
+        async def watch() -> None:
+            code = await asyncio.to_thread(proc.wait)
+            if not exit_future.done():
+                exit_future.set_result(f"rpc-server exited with {code}")
+
+        asyncio.get_running_loop().create_task(watch())
+        return {"endpoint": f"{host}:{port}", "pid": proc.pid}
+
+    async def stop_rpc(self, key: str, grace: float) -> None:
+        proc = self._rpc.pop(key, None)
+        fut = self._exits.pop(key, None)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.to_thread(proc.wait, grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            await asyncio.to_thread(proc.wait)
 
     def _forget(self, key: str) -> None:
         self._runners.pop(key, None)
@@ -147,3 +211,22 @@ def _gone(key: str) -> dict[str, Any]:
         "code": "runner_crashed",
         "details": {},
     }
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _accepts(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _engine_error(message: str) -> dict[str, Any]:
+    return {"class": "EngineError", "message": message, "code": "rpc_failed", "details": {}}

@@ -23,6 +23,14 @@ from typing import Any
 
 from elbowroom.cluster.placement import ClusterRefusal, NodeOption, choose
 from elbowroom.cluster.pressure import cluster_pressure
+from elbowroom.cluster.split import SplitError
+from elbowroom.cluster.splitter import (
+    RunningSplit,
+    free_bytes,
+    plan_split,
+    start_split,
+    stop_split,
+)
 from elbowroom.config import Settings
 from elbowroom.errors import ElbowroomError, InsufficientMemory
 from elbowroom.memory.types import Pressure
@@ -58,6 +66,8 @@ class ClusterScheduler:
         self._homes: dict[str, str] = {}  # model id -> node id
         self._active: Counter[str] = Counter()  # model id -> requests routed, not finished
         self._place_lock = asyncio.Lock()
+        self._splits: dict[str, RunningSplit] = {}  # models split over several nodes
+        self._tasks: set[asyncio.Task[Any]] = set()
         self.loads_paused = False
         # Set by connect.ClusterServices: closing the router ends monitors, guards, agents.
         self.closer: Callable[[], Awaitable[None]] | None = None
@@ -75,6 +85,9 @@ class ClusterScheduler:
         for model, home in list(self._homes.items()):
             if home == node_id:
                 del self._homes[model]
+        for running in list(self._splits.values()):
+            if node_id in running.nodes():
+                self._split_down(running, f"node {entry.node.name} left the cluster")
         self.events.add("node", None, f"node {entry.node.name} left the cluster")
 
     def live(self) -> list[NodeEntry]:
@@ -106,6 +119,10 @@ class ClusterScheduler:
         await self.close_schedulers()
 
     async def close_schedulers(self) -> None:
+        splits, self._splits = list(self._splits.values()), {}
+        await asyncio.gather(
+            *(stop_split(r, self.settings.stop_grace) for r in splits), return_exceptions=True
+        )
         await asyncio.gather(
             *(e.scheduler.close() for e in self.nodes.values()), return_exceptions=True
         )
@@ -116,6 +133,13 @@ class ClusterScheduler:
     async def use(self, model_id: str, *, keep_alive: float | None = None) -> AsyncIterator[Runner]:
         spec = self._catalog.get(model_id)
         entry = await self._home(spec.id)
+        if isinstance(entry, RunningSplit):
+            entry.busy += 1
+            try:
+                yield entry.runner
+            finally:
+                entry.busy -= 1
+            return
         if entry.guard is not None:
             entry.guard.check_admission()  # that node is under hard pressure: 503
         self._active[spec.id] += 1
@@ -135,16 +159,85 @@ class ClusterScheduler:
         held = entry.scheduler.state().get(model_id) is not None
         return entry if held or self._active[model_id] else None
 
-    async def _home(self, model_id: str) -> NodeEntry:
+    async def _home(self, model_id: str) -> NodeEntry | RunningSplit:
+        running = self._splits.get(model_id)
+        if running is not None:
+            return running
         entry = self.home_of(model_id)
         if entry is not None:
             return entry
         async with self._place_lock:
+            running = self._splits.get(model_id)  # split while this one waited
+            if running is not None:
+                return running
             entry = self.home_of(model_id)  # placed while this one waited
-            if entry is None:
+            if entry is not None:
+                return entry
+            try:
                 entry = self._place(model_id)
-                self._homes[model_id] = entry.node.id
+            except InsufficientMemory as refusal:
+                if not self.settings.cluster_split:
+                    raise
+                return await self._split(model_id, refusal)
+            self._homes[model_id] = entry.node.id
             return entry
+
+    async def _split(self, model_id: str, refusal: InsufficientMemory) -> RunningSplit:
+        """The model fits on no node: split it over them (docs/cluster.md), or refuse with
+        both reasons."""
+        from elbowroom.cluster.splitter import split_context
+        from elbowroom.engines.llama_rpc import rpc_build_dir
+        from elbowroom.scheduler.inputs import default_estimator
+
+        spec = self._catalog.get(model_id)
+        live = self.live()
+        reports = [(e.node.id, e.scheduler.memory_report()) for e in live]
+        try:
+            if spec.gguf is None:
+                raise SplitError(f"{model_id} is not a llama.cpp model")
+            n_ctx = split_context(spec, self.settings)
+            kv = default_estimator().footprint(spec, n_ctx, 1, self.settings.kv_type)
+            plan = plan_split(spec, self.settings, free_bytes(reports), kv.kv_bytes_per_token)
+        except SplitError as exc:
+            raise InsufficientMemory(
+                f"{refusal.message} A split over the nodes does not fit either: {exc}",
+                code="insufficient_memory",
+                details={**refusal.details, "split": str(exc)},
+            ) from None
+        s = self.settings
+        options = {
+            "kv_type": s.kv_type,
+            "threads": s.threads,
+            "max_tokens_cap": s.max_tokens_cap,
+            "cache_ram_bytes": 0,
+            "kv_cache": False,  # the disk tier keys on one engine; a split has its own
+            "kv_cache_dir": str(s.kv_cache_path),
+            "kv_disk_max": s.kv_disk_max,
+            "kv_block_tokens": s.kv_block_tokens,
+        }
+        nodes = {e.node.id: e.node for e in live}
+        running = await start_split(
+            spec, plan, nodes, options, s.rpc_bin_dir or rpc_build_dir(), self._split_down
+        )
+        self._splits[model_id] = running
+        names = {e.node.id: e.node.name for e in live}
+        layers = {names[n]: k for n, k in plan.split.layers.items()}
+        self.events.add("split", model_id, f"split {model_id} over {layers}", layers=layers)
+        return running
+
+    def _split_down(self, running: RunningSplit, cause: str) -> None:
+        """A part of a split died: fail its requests now, take the rest down, forget it."""
+        if running.closed:
+            return
+        model = running.plan.model
+        if self._splits.get(model) is running:
+            del self._splits[model]
+        log.error("split of %s is down: %s", model, cause)
+        self.events.add("crash", model, f"split of {model} is down: {cause}")
+        running.runner.node_gone(cause)
+        task = asyncio.get_running_loop().create_task(stop_split(running, 2.0))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def options(self, model_id: str) -> list[NodeOption]:
         out = []
@@ -185,6 +278,8 @@ class ClusterScheduler:
     async def load(self, model_id: str, *, pin: bool | None = None) -> dict[str, Any]:
         spec = self._catalog.get(model_id)
         entry = await self._home(spec.id)
+        if isinstance(entry, RunningSplit):
+            return {"id": spec.id, "loaded": True, "split": True}
         self._active[spec.id] += 1  # holds the placement while it loads
         try:
             result = dict(await entry.scheduler.load(spec.id, pin=pin))
@@ -195,6 +290,10 @@ class ClusterScheduler:
         return {**result, "node": entry.node.name}
 
     async def unload(self, model_id: str, *, reason: str = "explicit") -> dict[str, Any]:
+        running = self._splits.pop(model_id, None)
+        if running is not None:
+            await stop_split(running, self.settings.stop_grace)
+            return {"id": model_id, "unloaded": True, "split": True}
         entry = self.home_of(model_id)
         if entry is None:
             return {"id": model_id, "unloaded": False}
@@ -202,6 +301,8 @@ class ClusterScheduler:
         return {**result, "node": entry.node.name}
 
     def runner(self, model_id: str) -> Runner | None:
+        if model_id in self._splits:
+            return self._splits[model_id].runner
         entry = self.home_of(model_id)
         return entry.scheduler.runner(model_id) if entry is not None else None
 
@@ -218,6 +319,20 @@ class ClusterScheduler:
         for e in self.live():
             for row in e.scheduler.ps():
                 rows.append({**row, "node": e.node.name})
+        names = {e.node.id: e.node.name for e in self.nodes.values()}
+        for model, running in self._splits.items():
+            layers = {names.get(n, n): k for n, k in running.plan.split.layers.items()}
+            rows.append(
+                {
+                    "id": model,
+                    "state": running.runner.state.value,
+                    "busy": running.busy,
+                    "node": "+".join(layers),
+                    "split": layers,
+                    "n_ctx": running.plan.n_ctx,
+                    "slots": running.plan.slots,
+                }
+            )
         return rows
 
     def pressure(self) -> dict[str, object]:

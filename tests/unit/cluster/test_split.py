@@ -108,3 +108,26 @@ def test_command_lines() -> None:
     assert args[args.index("--rpc") + 1] == "127.0.0.1:1,10.0.0.2:2"
     assert args[args.index("--tensor-split") + 1] == "20,10"
     assert args[args.index("--host") + 1] == "127.0.0.1"
+
+
+def test_plan_split_of_the_bundled_llm_follows_free_memory() -> None:
+    from bundled_models import bundled_spec
+
+    from elbowroom.cluster.splitter import plan_split
+    from elbowroom.config import Settings
+    from elbowroom.models.estimate import footprint
+
+    spec = bundled_spec("smollm2-135m")
+    assert spec.gguf is not None
+    settings = Settings(ctx=512, slots=1)
+    kv = footprint(spec, 512, 1).kv_bytes_per_token
+    plan = plan_split(spec, settings, {"b": 100 * 1024**2, "a": 200 * 1024**2}, kv)
+    assert list(plan.split.layers) == ["a", "b"]  # device order: the most free first
+    assert sum(plan.split.layers.values()) == spec.gguf.n_layers
+    assert plan.split.layers["a"] == 2 * plan.split.layers["b"]  # 30 layers: 20 and 10
+    assert plan.need["a"] > plan.need["b"] > 0
+    assert plan.n_ctx == 512 and plan.slots == 1
+    with pytest.raises(SplitError, match=r"only .* is free there"):
+        plan_split(spec, settings, {"a": 40 * 1024**2, "b": 20 * 1024**2}, kv)
+    with pytest.raises(SplitError, match="at least two"):
+        plan_split(spec, settings, {"a": 10 * 1024**3}, kv)
