@@ -294,9 +294,28 @@ def cmd_ps(args: argparse.Namespace) -> int:
         headers = [
             "MODEL", "KIND", "STATE", "PID", "MEMORY", "PINNED", "BUSY", "PROCESSOR", "UNLOADS AT"
         ]  # fmt: skip
+        models = data.get("models", [])
+        if any("node" in m for m in models):  # over a cluster: where each model runs
+            headers.insert(1, "NODE")
+            for row, m in zip(rows, models, strict=True):
+                row.insert(1, m.get("node", "-"))
         print(table(headers, rows))
     else:
         print("no models loaded")
+    if data.get("nodes"):
+        print()
+        print(table(["NODE", "ALIVE", "PRESSURE", "COMMITTED", "FREE", "CEILING", "MODELS"], [
+            [
+                n.get("name"),
+                "yes" if n.get("alive") else "gone",
+                n.get("pressure") or "-",
+                format_size(n.get("committed")),
+                format_size(n.get("available")),
+                format_size(n.get("ceiling")),
+                ", ".join(n.get("models") or []) or "-",
+            ]
+            for n in data["nodes"]
+        ]))  # fmt: skip
     memory = data.get("memory", {})
     if memory.get("limit") is not None:
         print(

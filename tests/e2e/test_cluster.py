@@ -10,7 +10,10 @@ router (real agents, real runner processes, the bundled SmolLM2).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -182,6 +185,16 @@ def test_serve_cluster_answers_openai_and_shows_nodes(cluster: Any, server_facto
     assert len([n for n in memory["nodes"] if n["alive"]]) == 3
     (row,) = server.ps()
     assert row["node"].endswith(cluster.named["b"].node_id[:6])
+    # `elbowroom ps`, for people and as JSON: where each model runs, and every node.
+    cli = [sys.executable, "-m", "elbowroom", "ps", "--url", server.url]
+    text = subprocess.run(cli, capture_output=True, text=True, check=True, timeout=60).stdout
+    assert "NODE" in text and row["node"] in text and text.count("yes") >= 3
+    data = json.loads(
+        subprocess.run(
+            [*cli, "--json"], capture_output=True, text=True, check=True, timeout=60
+        ).stdout
+    )
+    assert {n["name"] for n in data["nodes"] if SMOLLM2 in n["models"]} == {row["node"]}
     assert server.stop() == 0
 
 
