@@ -58,15 +58,21 @@ def plan_split(
     info = spec.gguf
     if info is None or not info.n_layers:
         raise SplitError(f"{spec.id} is not a llama.cpp model with layers; it cannot be split")
-    order = dict(sorted(free.items(), key=lambda kv: (-kv[1], kv[0])))
-    if len(order) < 2:
-        raise SplitError("a split needs at least two live nodes with free memory")
-    split = split_layers(info.n_layers, order)
     n_ctx = split_context(spec, settings)
     slots = settings.slots_for(spec.id)
     per_layer_kv = kv_bytes_per_token * n_ctx * slots // max(1, info.n_layers)
     sizes = list(info.layer_bytes or ())
     fallback = (info.tensor_bytes or spec.size_bytes) // max(1, info.n_layers)
+    # A node that cannot hold even one layer would only add a network hop: left out.
+    one_layer = max(sizes, default=fallback) + per_layer_kv
+    order = dict(
+        sorted(((n, b) for n, b in free.items() if b >= one_layer), key=lambda kv: (-kv[1], kv[0]))
+    )
+    if len(order) < 2:
+        raise SplitError(
+            f"a split needs at least two nodes with room for a layer ({format_size(one_layer)})"
+        )
+    split = split_layers(info.n_layers, order)
     need: dict[str, int] = {}
     for i, (node, (first, last)) in enumerate(split.ranges().items()):
         weights = sum(sizes[first:last]) if len(sizes) >= last else fallback * (last - first)

@@ -131,3 +131,6 @@ def test_plan_split_of_the_bundled_llm_follows_free_memory() -> None:
         plan_split(spec, settings, {"a": 40 * 1024**2, "b": 20 * 1024**2}, kv)
     with pytest.raises(SplitError, match="at least two"):
         plan_split(spec, settings, {"a": 10 * 1024**3}, kv)
+    # A node without room for one layer is left out rather than given one it cannot hold.
+    plan = plan_split(spec, settings, {"a": 200 * 1024**2, "b": 100 * 1024**2, "t": 1024}, kv)
+    assert set(plan.split.layers) == {"a", "b"}
