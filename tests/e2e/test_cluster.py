@@ -32,8 +32,9 @@ pytestmark = pytest.mark.slow
 MiB = 1024**2
 SMOLLM2 = "smollm2-135m"
 COUNTING = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "temperature": 0}
-# Each node's size: the head too small for any model; B the best fit, A the fallback.
-HEAD, NODE_A, NODE_B = "160MiB", "3GiB", "1536MiB"
+# Each node's size: the head smaller than its own agent process (so it sits at hard
+# pressure, and no model fits there); B the best fit, A the fallback.
+HEAD, NODE_A, NODE_B = "64MiB", "3GiB", "1536MiB"
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +122,7 @@ def test_nodes_seen_with_their_own_memory_and_model_placed_by_best_fit(cluster: 
         router = await cs.build()
         try:
             totals = sorted(e.node.snapshot().total for e in router.live())
-            assert totals == sorted([160 * MiB, 3 * 1024 * MiB, 1536 * MiB]), (
+            assert totals == sorted([64 * MiB, 3 * 1024 * MiB, 1536 * MiB]), (
                 "each node's probe applies its own override"
             )
             items = await complete(router)
@@ -156,6 +157,61 @@ def test_a_model_too_big_for_every_node_is_refused_with_each_node(cluster: Any) 
             names = [n["name"] for n in err.value.details["nodes"]]
             assert len(names) == 3
             assert all(name in err.value.message for name in names)
+        finally:
+            await router.close()
+
+    asyncio.run(main())
+
+
+def test_cluster_pressure_is_the_worst_node_and_only_that_node_refuses(cluster: Any) -> None:
+    """The head is over its own (tiny) override: hard. The cluster is hard, named by it;
+    the door stays open and the model is served from a node under no pressure."""
+    from elbowroom.cluster.connect import ClusterServices
+    from elbowroom.cluster.views import ClusterGuard
+
+    async def main() -> None:
+        settings = settings_for(cluster)
+        cs = ClusterServices(settings, discover(settings), None)
+        router = await cs.build()
+        try:
+            head = next(e for e in router.live() if e.node.snapshot().total == 64 * MiB)
+            await wait_for(lambda: head.guard.latest is not None, 10, "the head's first sample")
+            pressure = router.pressure()
+            assert pressure["level"] == "hard" and pressure["worst"] == [head.node.name]
+            others = {k: v for k, v in pressure["nodes"].items() if k != head.node.name}
+            assert set(others.values()) == {"normal"}
+            assert not head.guard.admission_open()  # that node's guard refuses...
+            guard = ClusterGuard(router)
+            assert guard.admission_open()  # ...the cluster's door does not
+            assert guard.state()["level"] == "hard"
+            items = await complete(router)
+            assert items[-1]["type"] == "done"
+            assert router.memory_report()["pressure"] == "hard"
+        finally:
+            await router.close()
+
+    asyncio.run(main())
+
+
+def test_a_client_that_leaves_mid_stream_frees_the_remote_slot(cluster: Any) -> None:
+    from elbowroom.cluster.connect import ClusterServices
+
+    async def main() -> None:
+        settings = settings_for(cluster)
+        cs = ClusterServices(settings, discover(settings), None)
+        router = await cs.build()
+        try:
+            async with router.use(SMOLLM2) as runner:
+                stream = runner.request("completion", {**COUNTING, "max_tokens": 2000})
+                first = await stream.__anext__()
+                assert first.get("type") != "done"
+                stats = await runner.stats()
+                assert stats["slots_busy"] == 1
+                await stream.aclose()  # the client went away
+                end = time.monotonic() + 30
+                while (await runner.stats())["slots_busy"] != 0:
+                    assert time.monotonic() < end, "the remote generation was not cancelled"
+                    await asyncio.sleep(0.1)
         finally:
             await router.close()
 
