@@ -154,13 +154,15 @@ class NodeAgent:
 
     # ---- one llama.cpp RPC server (a share of a split model) -----------------------------
 
-    async def start_rpc(self, key: str, binary: str, mem_bytes: int | None) -> dict[str, Any]:
+    async def start_rpc(self, key: str, binary: str) -> dict[str, Any]:
         """Start ``rpc-server`` on this node's ``rpc_host`` (loopback or private only) and
         wait until it accepts connections; ``{"endpoint": "host:port"}`` or an error."""
         host = self._settings.rpc_host
         try:
             port = _free_port(host)
-            args = rpc_server_args(Path(binary), host, port, mem_bytes)
+            args = rpc_server_args(
+                Path(binary), host, port, self._settings.threads or os.cpu_count()
+            )
         except (RpcBindError, OSError) as exc:
             return {"error": _engine_error(f"cannot start an RPC server here: {exc}")}
         if not Path(binary).is_file():

@@ -10,10 +10,9 @@ tunnel (docs/cluster.md).
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["RpcBindError", "check_rpc_bind", "llama_server_args", "rpc_server_args"]
+__all__ = ["RpcBindError", "check_rpc_bind", "rpc_server_args"]
 
 
 class RpcBindError(ValueError):
@@ -44,46 +43,12 @@ def check_rpc_bind(host: str) -> str:
     return host
 
 
-def rpc_server_args(binary: Path, host: str, port: int, mem_bytes: int | None) -> list[str]:
-    """``rpc-server`` on one node: the checked address, and the memory it may serve."""
+def rpc_server_args(binary: Path, host: str, port: int, threads: int | None = None) -> list[str]:
+    """``rpc-server`` on one node, on the checked address. (This llama.cpp revision's
+    rpc-server serves its backend's whole memory: what a split may take there is
+    elbowroom's arithmetic, not a flag. The split's llama-server command line is built
+    from the engine's own parameters: engines/llama_rpc.py.)"""
     args = [str(binary), "--host", check_rpc_bind(host), "--port", str(port)]
-    if mem_bytes is not None:
-        args += ["--mem", str(max(1, mem_bytes // 1024**2))]  # MiB
-    return args
-
-
-def llama_server_args(
-    binary: Path,
-    model: Path,
-    *,
-    rpc: Sequence[tuple[str, int]],
-    split: str,
-    n_ctx: int,
-    port: int,
-    threads: int | None = None,
-) -> list[str]:
-    """The split model's runner: llama-server with the RPC servers as devices, every layer
-    offloaded, ``split`` (``tensor_split``) giving each device its layers; it listens on
-    loopback only (the head's runner talks to it)."""
-    for host, _ in rpc:
-        check_rpc_bind(host)
-    args = [
-        str(binary),
-        "-m",
-        str(model),
-        "--rpc",
-        ",".join(f"{h}:{p}" for h, p in rpc),
-        "--tensor-split",
-        split,
-        "-ngl",
-        "999",
-        "-c",
-        str(n_ctx),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-    ]
-    if threads is not None:
+    if threads:
         args += ["-t", str(threads)]
     return args

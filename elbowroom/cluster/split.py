@@ -14,7 +14,14 @@ from dataclasses import dataclass
 
 from elbowroom.units import format_size
 
-__all__ = ["LayerSplit", "SplitError", "check_fits", "split_layers", "tensor_split"]
+__all__ = [
+    "LayerSplit",
+    "SplitError",
+    "check_fits",
+    "split_layers",
+    "tensor_split",
+    "tensor_split_arg",
+]
 
 
 class SplitError(ValueError):
@@ -77,8 +84,22 @@ def check_fits(split: LayerSplit, layer_bytes: int, overhead: Mapping[str, int])
 
 
 def tensor_split(split: LayerSplit, device_order: Sequence[str]) -> str:
-    """llama.cpp's ``--tensor-split`` value: layer counts in ``device_order``."""
+    """llama.cpp's ``--tensor-split`` value for ``split`` in ``device_order``."""
     missing = [n for n in split.layers if n not in device_order]
     if missing:
         raise SplitError(f"no device for node(s) {', '.join(missing)}")
-    return ",".join(str(split.layers.get(d, 0)) for d in device_order)
+    return tensor_split_arg([split.layers.get(d, 0) for d in device_order])
+
+
+def tensor_split_arg(layers: Sequence[int]) -> str:
+    """``--tensor-split`` for whole repeating layers per device, in device order.
+
+    llama.cpp splits ``n_layer + 1`` units by cumulative proportion (layer ``i`` goes to the
+    first device whose cumulative share exceeds ``i / (n_layer + 1)``), the last unit being
+    the output layer. Giving the last device one unit more puts exactly ``layers[k]``
+    repeating layers on device ``k`` and the output layer on the last (checked against
+    llama.cpp's own per-layer assignment in tests/e2e/test_split_engine.py)."""
+    if not layers:
+        raise SplitError("no device to split over")
+    units = [*layers[:-1], layers[-1] + 1]
+    return ",".join(str(n) for n in units)

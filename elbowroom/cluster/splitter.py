@@ -118,9 +118,7 @@ async def start_split(
         for node_id in plan.split.layers:
             node = nodes[node_id]
             key = f"rpc:{spec.id}#{next(_keys)}"
-            answer = await node.agent.start_rpc.remote(
-                key, str(bin_dir / "rpc-server"), plan.need[node_id]
-            )
+            answer = await node.agent.start_rpc.remote(key, str(bin_dir / "rpc-server"))
             if "error" in answer:
                 raise ElbowroomError.from_wire(answer["error"])
             parts.append((node, key))

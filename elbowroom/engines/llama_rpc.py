@@ -11,7 +11,9 @@ giving each device its whole layers (``cluster.split``).
 
 Options (from the cluster router): ``rpc_servers`` ["host:port", ...] in device order,
 ``rpc_split`` the matching layer counts, ``llama_server`` the binary (default: the cached
-build of ``scripts/rpc_engine.sh``).
+build of ``scripts/rpc_engine.sh``). No RPC servers: the same build unsplit on this CPU,
+the reference a split's output is compared with (the PyPI wheel's kernels can round
+differently, so greedy text may differ from ``LlamaEngine``'s after a few tokens).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from elbowroom.cluster.rpc import check_rpc_bind
+from elbowroom.cluster.split import tensor_split_arg
 from elbowroom.engines.llama import LlamaEngine
 from elbowroom.engines.llama_control import _UnixConnection
 from elbowroom.errors import EngineError
@@ -71,12 +74,13 @@ def server_args(params: Any, binary: Path, rpc: list[str], split: list[int]) -> 
         "--ctx-checkpoints", str(params.n_ctx_checkpoints),
         "--context-shift" if params.ctx_shift else "--no-context-shift",
         "--fit", "off",
-        "--rpc", ",".join(rpc),
-        "--tensor-split", ",".join(str(n) for n in split),
-        "-ngl", "999",
         "--host", params.hostnames[0],
         "--api-key", params.api_keys[0],
     ]  # fmt: skip
+    if rpc:
+        args += ["--rpc", ",".join(rpc), "--tensor-split", tensor_split_arg(split), "-ngl", "999"]
+    else:  # no devices: the same build unsplit, on this CPU (the reference in tests)
+        args += ["-ngl", "0"]
     if params.slot_save_path:
         args += ["--slot-save-path", params.slot_save_path]
     if params.endpoint_metrics:
@@ -189,8 +193,8 @@ class RpcLlamaEngine(LlamaEngine):
     def load(self, spec: ModelSpec, options: dict[str, Any]) -> dict[str, Any]:
         self._rpc = [str(s) for s in options.get("rpc_servers") or ()]
         self._split = [int(n) for n in options.get("rpc_split") or ()]
-        if not self._rpc or len(self._rpc) != len(self._split):
-            raise EngineError("a split model needs rpc_servers and one rpc_split count each")
+        if len(self._rpc) != len(self._split):
+            raise EngineError("a split model needs one rpc_split count per rpc_servers entry")
         self._binary = Path(options.get("llama_server") or default_binary("llama-server"))
         if not self._binary.is_file():
             raise EngineError(

@@ -3,7 +3,9 @@
 Needs the RPC build (``scripts/rpc_engine.sh``: rpc-server and an RPC-enabled
 llama-server); skips without it. Two RPC servers on 127.0.0.1 stand for two nodes with
 2:1 free memory: the layers follow that ratio (read from the engine's own per-layer
-device assignment), and the split model's greedy output equals the unsplit engine's.
+device assignment), and the split model's greedy output equals the unsplit model's on
+the same llama.cpp build. (elbowroom's usual engine, the PyPI xllamacpp wheel, rounds
+slightly differently: its greedy text for this prompt parts from both after 5 tokens.)
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from bundled_models import bundled_spec
 
 from elbowroom.cluster.rpc import rpc_server_args
 from elbowroom.cluster.split import split_layers
-from elbowroom.engines.llama import LlamaEngine
 from elbowroom.engines.llama_rpc import RpcLlamaEngine, default_binary
 
 pytestmark = pytest.mark.slow
@@ -65,7 +66,7 @@ def rpc_servers() -> Iterator[list[str]]:
         for _ in range(2):
             port = free_port()
             proc = subprocess.Popen(
-                rpc_server_args(RPC_SERVER, "127.0.0.1", port, None),
+                rpc_server_args(RPC_SERVER, "127.0.0.1", port),
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
@@ -113,11 +114,12 @@ def test_split_places_layers_by_free_memory_and_matches_the_unsplit_output(
         for il, dev in re.findall(r"layer\s+(\d+) assigned to device (\S+?),", log)
         if int(il) < spec.gguf.n_layers
     )
-    by_endpoint = {ep: n for dev, n in placed.items() for ep in rpc_servers if ep in dev}
-    assert by_endpoint == dict(zip(rpc_servers, counts, strict=True)), placed
+    # RPC devices are numbered in --rpc order: RPC0 is the first endpoint.
+    assert placed == {f"RPC{i}": n for i, n in enumerate(counts)}, placed
 
-    plain = LlamaEngine()
-    plain.load(spec, dict(OPTIONS))
+    # The unsplit model on the same llama.cpp build (no RPC devices, this CPU).
+    plain = RpcLlamaEngine()
+    plain.load(spec, {**OPTIONS, "rpc_servers": [], "rpc_split": []})
     try:
         plain_text, _ = generate(plain, 24)
     finally:

@@ -40,10 +40,12 @@ def test_server_args_mirror_the_engine_params() -> None:
 
     assert val("-m") == "/m.gguf" and val("-c") == "2048" and val("--parallel") == "2"
     assert "--no-kv-unified" in args and val("--cache-type-k") == "q8_0" and val("-fa") == "on"
-    assert val("--rpc") == "127.0.0.1:5,10.0.0.2:6" and val("--tensor-split") == "20,10"
+    assert val("--rpc") == "127.0.0.1:5,10.0.0.2:6" and val("--tensor-split") == "20,11"
     assert val("-ngl") == "999" and val("--fit") == "off" and val("--cache-ram") == "0"
     assert val("--host") == "/tmp/x/engine.sock" and val("--api-key") == "secret"
     assert val("-t") == "2" and "-v" not in args
+    plain = server_args(params(), Path("/bin/llama-server"), [], [])
+    assert "--rpc" not in plain and plain[plain.index("-ngl") + 1] == "0"
 
 
 def test_server_args_refuse_a_public_rpc_endpoint() -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from elbowroom.cluster.rpc import RpcBindError, check_rpc_bind, llama_server_args, rpc_server_args
+from elbowroom.cluster.rpc import RpcBindError, check_rpc_bind, rpc_server_args
 from elbowroom.cluster.split import SplitError, check_fits, split_layers, tensor_split
 
 GiB = 1024**3
@@ -63,7 +63,7 @@ def test_split_errors_name_the_fix() -> None:
 
 def test_tensor_split_in_device_order() -> None:
     s = split_layers(30, {"a": 6, "b": 3, "c": 1})
-    assert tensor_split(s, ["c", "a", "b"]) == "3,18,9"
+    assert tensor_split(s, ["c", "a", "b"]) == "3,18,10"  # + the output layer, last
     with pytest.raises(SplitError, match="no device"):
         tensor_split(s, ["a", "b"])
 
@@ -91,46 +91,8 @@ def test_rpc_refuses_everything_else(host: str, why: str) -> None:
     assert "CVE-2026-34159" in str(err.value) or "not an IP" in str(err.value)
 
 
-def test_command_lines() -> None:
-    args = rpc_server_args(Path("/bin/rpc-server"), "127.0.0.1", 50052, 3 * GiB)
-    assert args == ["/bin/rpc-server", "--host", "127.0.0.1", "--port", "50052", "--mem", "3072"]
+def test_rpc_server_command_line() -> None:
+    args = rpc_server_args(Path("/bin/rpc-server"), "127.0.0.1", 50052, 2)
+    assert args == ["/bin/rpc-server", "--host", "127.0.0.1", "--port", "50052", "-t", "2"]
     with pytest.raises(RpcBindError):
-        rpc_server_args(Path("/bin/rpc-server"), "0.0.0.0", 50052, None)
-    s = split_layers(30, {"a": 2, "b": 1})
-    args = llama_server_args(
-        Path("/bin/llama-server"),
-        Path("/m.gguf"),
-        rpc=[("127.0.0.1", 1), ("10.0.0.2", 2)],
-        split=tensor_split(s, ["a", "b"]),
-        n_ctx=512,
-        port=9000,
-    )
-    assert args[args.index("--rpc") + 1] == "127.0.0.1:1,10.0.0.2:2"
-    assert args[args.index("--tensor-split") + 1] == "20,10"
-    assert args[args.index("--host") + 1] == "127.0.0.1"
-
-
-def test_plan_split_of_the_bundled_llm_follows_free_memory() -> None:
-    from bundled_models import bundled_spec
-
-    from elbowroom.cluster.splitter import plan_split
-    from elbowroom.config import Settings
-    from elbowroom.models.estimate import footprint
-
-    spec = bundled_spec("smollm2-135m")
-    assert spec.gguf is not None
-    settings = Settings(ctx=512, slots=1)
-    kv = footprint(spec, 512, 1).kv_bytes_per_token
-    plan = plan_split(spec, settings, {"b": 100 * 1024**2, "a": 200 * 1024**2}, kv)
-    assert list(plan.split.layers) == ["a", "b"]  # device order: the most free first
-    assert sum(plan.split.layers.values()) == spec.gguf.n_layers
-    assert plan.split.layers["a"] == 2 * plan.split.layers["b"]  # 30 layers: 20 and 10
-    assert plan.need["a"] > plan.need["b"] > 0
-    assert plan.n_ctx == 512 and plan.slots == 1
-    with pytest.raises(SplitError, match=r"only .* is free there"):
-        plan_split(spec, settings, {"a": 40 * 1024**2, "b": 20 * 1024**2}, kv)
-    with pytest.raises(SplitError, match="at least two"):
-        plan_split(spec, settings, {"a": 10 * 1024**3}, kv)
-    # A node without room for one layer is left out rather than given one it cannot hold.
-    plan = plan_split(spec, settings, {"a": 200 * 1024**2, "b": 100 * 1024**2, "t": 1024}, kv)
-    assert set(plan.split.layers) == {"a", "b"}
+        rpc_server_args(Path("/bin/rpc-server"), "0.0.0.0", 50052)
