@@ -91,7 +91,7 @@ def test_six_models_on_three_unequal_nodes_none_overcommitted(cluster: Any) -> N
                 ]
             assert items[-1]["type"] == "done"
             async with router.use("minilm-l6-v2") as runner:
-                items = [i async for i in runner.request("embed", {"input": ["a cluster"]})]
+                items = [i async for i in runner.request("embed", {"inputs": ["a cluster"]})]
             assert items[-1]["type"] == "done"
             print({m: r["node"] for m, r in rows.items()})
         finally:
