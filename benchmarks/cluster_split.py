@@ -6,10 +6,11 @@ recording; ``--rounds 1 --tokens 16`` is the smoke run), greedy decoding of the 
 prompt with the bundled SmolLM2 at 2 threads:
 
 - ``xllamacpp``: elbowroom's normal engine (the PyPI wheel, in-process);
+- ``llama-server``: the same engine and build without RPC devices (the split's reference);
 - ``split``: the ``llama-rpc`` engine, an RPC-enabled llama-server whose devices are two
   ``rpc-server`` processes on 127.0.0.1 holding 20 and 10 of the 30 layers (2:1 free).
 
-Per round: decode tokens/s (generated tokens over the time after the first token), time
+Per round: decode tokens/s (the engine's own ``predicted_n / predicted_ms``), time
 to first token, and whether the text equals the unsplit text. Medians with min-max and the
 load average before and after each round go to ``results/cluster_split.{json,md}``.
 Needs ``scripts/rpc_engine.sh``'s build.
@@ -38,7 +39,7 @@ from elbowroom.cluster.rpc import rpc_server_args  # noqa: E402
 from elbowroom.engines.llama import LlamaEngine  # noqa: E402
 from elbowroom.engines.llama_rpc import RpcLlamaEngine, default_binary  # noqa: E402
 
-PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+PROMPT = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"  # greedy counting: never stops early
 OPTIONS = {"n_ctx": 1024, "slots": 1, "kv_type": "f16", "cache_ram_bytes": 0, "threads": 2,
            "kv_cache": False}  # fmt: skip
 SPLIT = [20, 10]
@@ -84,24 +85,30 @@ def measure(engine: Any, tokens: int) -> dict[str, Any]:
         lambda: False,
     )
     end = time.monotonic()
+    timings = result.get("timings") or {}
     generated = int(result["usage"]["completion_tokens"])
     ttft = (first[0] if first else end) - began
-    decode = (generated - 1) / max(1e-9, end - (first[0] if first else began))
+    # The engine's own decode timing (tokens after the prompt over their milliseconds).
+    decode = 1000.0 * timings.get("predicted_n", 0) / max(1e-9, timings.get("predicted_ms", 0))
     return {"text": result["text"], "tokens": generated, "ttft": ttft, "tok_s": decode}
 
 
 def run(rounds: int, tokens: int) -> dict[str, Any]:
     spec = bundled_spec("smollm2-135m")
     procs, endpoints = start_rpc()
-    out: dict[str, list[dict[str, Any]]] = {"xllamacpp": [], "split": []}
+    out: dict[str, list[dict[str, Any]]] = {"xllamacpp": [], "llama-server": [], "split": []}
     try:
         for r in range(rounds):
-            for name in ("xllamacpp", "split") if r % 2 == 0 else ("split", "xllamacpp"):
+            order = list(out) if r % 2 == 0 else list(out)[::-1]  # interleaved
+            for name in order:
                 before = loadavg()
                 engine: Any
                 if name == "split":
                     engine = RpcLlamaEngine()
                     opts = {**OPTIONS, "rpc_servers": endpoints, "rpc_split": SPLIT}
+                elif name == "llama-server":  # the same llama.cpp build, unsplit
+                    engine = RpcLlamaEngine()
+                    opts = {**OPTIONS, "rpc_servers": [], "rpc_split": []}
                 else:
                     engine = LlamaEngine()
                     opts = dict(OPTIONS)
@@ -118,12 +125,12 @@ def run(rounds: int, tokens: int) -> dict[str, Any]:
         for p in procs:
             p.terminate()
             p.wait(10)
-    reference = out["xllamacpp"][0]["text"]
+    reference = out["llama-server"][0]["text"]
     return {
         "rounds": rounds,
         "tokens": tokens,
         "split_layers": SPLIT,
-        "identical_text": all(r["text"] == reference for v in out.values() for r in v),
+        "identical_text": all(r["text"] == reference for r in out["split"] + out["llama-server"]),
         "results": out,
     }
 
@@ -140,8 +147,9 @@ def report(data: dict[str, Any]) -> str:
         "# Split over RPC vs unsplit (SmolLM2-135M, 2 threads, this machine)",
         "",
         f"{data['rounds']} interleaved rounds, {data['tokens']} tokens each, greedy; the split "
-        f"puts {data['split_layers']} layers on two rpc-servers on 127.0.0.1. Text identical "
-        f"to the unsplit engine in every round: {'yes' if data['identical_text'] else 'NO'}.",
+        f"puts {data['split_layers']} layers on two rpc-servers on 127.0.0.1. Split text identical "
+        "to the unsplit llama-server (same llama.cpp build) in every round: "
+        f"{'yes' if data['identical_text'] else 'NO'}.",
         "",
         "| engine | decode tok/s median (min–max) | vs unsplit | TTFT s median (min–max) |",
         "|---|---|---|---|",
