@@ -367,16 +367,22 @@ def _terminate(proc: subprocess.Popen[bytes]) -> None:
 class Elbowroom(HttpSystem):
     name = "elbowroom"
 
-    def __init__(self, home: Path, slots: int, ctx: int, threads: int) -> None:
+    def __init__(self, home: Path, slots: int, ctx: int, threads: int, direct: bool = True) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("ELBOWROOM_")}
+        # elbowroom:pipe carries every token through the runner pipe (direct_streams off):
+        # what the direct streams (server/direct.py) save.
+        knobs = {"ELBOWROOM_THREADS": str(threads)}
+        if not direct:
+            self.name = "elbowroom:pipe"
+            knobs["ELBOWROOM_DIRECT_STREAMS"] = "false"
         env.update(
             XDG_DATA_HOME=str(home / "data"),
             XDG_CACHE_HOME=str(home / "cache"),
             XDG_CONFIG_HOME=str(home / "config"),
-            ELBOWROOM_THREADS=str(threads),
             PYTHONUNBUFFERED="1",
+            **knobs,
         )
-        self.log = home / f"elbowroom-{slots}.log"
+        self.log = home / f"{self.name.replace(':', '-')}-{slots}.log"
         cmd = [sys.executable, "-m", "elbowroom", "serve", "--port", "0", "--ctx", str(ctx)]
         cmd += ["--slots", str(slots), "--preload", MODEL, "--log-level", "warning"]
         with open(self.log, "wb") as out:
@@ -391,7 +397,7 @@ class Elbowroom(HttpSystem):
         super().__init__(m.group(1))
         self.facts = self._wait_loaded()
         self.runner = int(self.facts["pid"])
-        self.setup = {"command": cmd, "env": {"ELBOWROOM_THREADS": str(threads)}, "ps": self.facts}
+        self.setup = {"command": cmd, "env": knobs, "ps": self.facts}
 
     def cpu(self) -> dict[str, float]:
         return {"server": cpu_seconds(self.proc.pid), "runner": cpu_seconds(self.runner)}
@@ -613,8 +619,9 @@ def start_systems(
     try:
         for name in names:
             log(f"starting {name} with {slots} slots")
-            if name == "elbowroom":
-                started.append(Elbowroom(home, slots, args.ctx, args.threads))
+            if name in ("elbowroom", "elbowroom:pipe"):
+                direct = name == "elbowroom"
+                started.append(Elbowroom(home, slots, args.ctx, args.threads, direct))
             elif name == "xllamacpp":
                 started.append(InProcess(model, slots, args.ctx, args.threads))
             else:
@@ -842,10 +849,12 @@ def _names(text: str) -> list[str]:
     for name in names:
         system, _, cpu = name.partition(":")
         ok = system in ("elbowroom", "xllamacpp") and not cpu
+        ok |= name == "elbowroom:pipe"
         ok |= system == "llama-server" and cpu in ("", *CPU_VARIANTS)
         if not ok:
             raise argparse.ArgumentTypeError(
-                f"unknown system {name!r}: elbowroom, xllamacpp, llama-server[:native|:wheel]"
+                f"unknown system {name!r}: elbowroom[:pipe], xllamacpp, "
+                "llama-server[:native|:wheel]"
             )
     return ["llama-server:native" if n == "llama-server" else n for n in names]
 
@@ -860,8 +869,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--systems",
         type=_names,
-        default=_names("elbowroom,llama-server:native,llama-server:wheel,xllamacpp"),
-        help="comma list of elbowroom, xllamacpp, llama-server:native, llama-server:wheel",
+        default=_names("elbowroom,elbowroom:pipe,llama-server:native,llama-server:wheel,xllamacpp"),
+        help="comma list of elbowroom, elbowroom:pipe, xllamacpp, llama-server:native, "
+        "llama-server:wheel",
     )
     parser.add_argument(
         "--baseline", default="llama-server:native", help="the system the targets compare to"

@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 import openai
 import psutil
+from proctree import process_memory, readings, tree, wait_for
 
 from elbowroom.units import MiB, format_size
 
@@ -41,42 +42,19 @@ SENTENCE = "The quick brown fox jumps over the lazy dog. Memory comes back when 
 _LISTENING = re.compile(r"elbowroom listening on (http://\S+)")
 
 
-def wait_for(condition: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise SystemExit(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
 def tree_memory(pid: int) -> dict[str, Any]:
     """Anonymous and file-backed bytes of ``pid`` and all its descendants."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return {"anonymous": 0, "file_backed": 0, "pids": []}
     anonymous = file_backed = 0
     pids = []
     parts = []
-    for proc in procs:
-        fields: dict[str, int] = {}
-        try:
-            with open(f"/proc/{proc.pid}/smaps_rollup") as f:
-                for line in f:
-                    name, _, rest = line.partition(":")
-                    if rest.strip().endswith("kB"):
-                        fields[name] = int(rest.split()[0]) * 1024
-        except (FileNotFoundError, ProcessLookupError):
+    for proc in tree(pid):
+        mem = process_memory(proc.pid)
+        if mem is None:
             continue
-        anonymous += fields.get("Anonymous", 0)
-        file_backed += fields.get("Rss", 0) - fields.get("Anonymous", 0)
+        anonymous += mem.anonymous
+        file_backed += mem.file_backed
         pids.append(proc.pid)
-        parts.append(
-            {"pid": proc.pid, "what": _what(proc), "anonymous": fields.get("Anonymous", 0)}
-        )
+        parts.append({"pid": proc.pid, "what": _what(proc), "anonymous": mem.anonymous})
     return {"anonymous": anonymous, "file_backed": file_backed, "pids": pids, "parts": parts}
 
 
@@ -94,17 +72,13 @@ def _what(proc: psutil.Process) -> str:
 
 def sample(pid: int, seconds: float = 3.0) -> dict[str, Any]:
     """Median over a few seconds: the server's monitor thread allocates and frees a little."""
-    readings = []
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        readings.append(tree_memory(pid))
-        time.sleep(0.25)
+    taken = readings(lambda: tree_memory(pid), seconds)
     return {
-        "anonymous": int(statistics.median(r["anonymous"] for r in readings)),
-        "file_backed": int(statistics.median(r["file_backed"] for r in readings)),
-        "pids": readings[-1]["pids"],
-        "parts": readings[-1]["parts"],
-        "samples": len(readings),
+        "anonymous": int(statistics.median(r["anonymous"] for r in taken)),
+        "file_backed": int(statistics.median(r["file_backed"] for r in taken)),
+        "pids": taken[-1]["pids"],
+        "parts": taken[-1]["parts"],
+        "samples": len(taken),
     }
 
 

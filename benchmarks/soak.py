@@ -41,6 +41,7 @@ from typing import Any
 import httpx
 import openai
 import psutil
+from proctree import process_memory, readings, wait_for
 
 from elbowroom.units import MiB, format_size
 
@@ -53,39 +54,16 @@ KINDS = ("chat", "stream", "cancel", "transcribe", "speak", "embed")
 _LISTENING = re.compile(r"elbowroom listening on (http://\S+)")
 
 
-def wait_for(condition: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise SystemExit(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-def _smaps(pid: int) -> dict[str, int]:
-    fields: dict[str, int] = {}
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            if rest.strip().endswith("kB"):
-                fields[name] = int(rest.split()[0]) * 1024
-    return fields
-
-
 def snapshot(pid: int) -> dict[str, Any]:
     """What the server tree holds now: anonymous bytes, fds, threads, children."""
     root = psutil.Process(pid)
     children = root.children(recursive=True)
-    anonymous = 0
-    for proc in [root, *children]:
-        try:
-            anonymous += _smaps(proc.pid).get("Anonymous", 0)
-        except (FileNotFoundError, ProcessLookupError):
-            continue
+    mems = [process_memory(proc.pid) for proc in [root, *children]]
+    anonymous = sum(m.anonymous for m in mems if m is not None)
+    server = mems[0]
     return {
         "anonymous": anonymous,
-        "server_anonymous": _smaps(pid).get("Anonymous", 0),
+        "server_anonymous": server.anonymous if server is not None else 0,
         "fds": len(os.listdir(f"/proc/{pid}/fd")),
         "threads": root.num_threads(),
         "children": sorted(c.pid for c in children),
@@ -95,20 +73,16 @@ def snapshot(pid: int) -> dict[str, Any]:
 
 def sample(pid: int, seconds: float = 3.0) -> dict[str, Any]:
     """Medians over a few seconds (the monitor thread allocates and frees a little)."""
-    readings = []
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        readings.append(snapshot(pid))
-        time.sleep(0.25)
-    last = readings[-1]
+    taken = readings(lambda: snapshot(pid), seconds)
+    last = taken[-1]
     return {
-        "anonymous": int(statistics.median(r["anonymous"] for r in readings)),
-        "server_anonymous": int(statistics.median(r["server_anonymous"] for r in readings)),
-        "fds": int(statistics.median(r["fds"] for r in readings)),
-        "threads": int(statistics.median(r["threads"] for r in readings)),
+        "anonymous": int(statistics.median(r["anonymous"] for r in taken)),
+        "server_anonymous": int(statistics.median(r["server_anonymous"] for r in taken)),
+        "fds": int(statistics.median(r["fds"] for r in taken)),
+        "threads": int(statistics.median(r["threads"] for r in taken)),
         "children": last["children"],
         "child_cmds": last["child_cmds"],
-        "samples": len(readings),
+        "samples": len(taken),
     }
 
 

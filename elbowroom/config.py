@@ -19,6 +19,10 @@ from typing import Any
 
 from elbowroom.units import parse_size
 
+# The KV cache element types llama.cpp is loaded with, smallest saving first: the one list
+# the settings, the CLI flags, the estimate and the engine check against.
+KV_TYPES = ("f16", "q8_0", "q4_0")
+
 
 def _xdg(var: str, fallback: str) -> Path:
     value = os.environ.get(var)
@@ -87,6 +91,9 @@ class Settings:
     mlock: bool = False
     threads: int | None = None
     max_tokens_cap: int = 4096  # hard cap on generated tokens for every request
+    # Streamed LLM requests are read by the server straight from the engine's private
+    # socket (server/direct.py) instead of token by token through the runner pipe.
+    direct_streams: bool = True
     # --- lifetimes
     keep_alive: float = 300.0  # seconds an idle mmap (LLM) model stays loaded
     resident_idle: float = 300.0  # seconds an idle resident engine (whisper/piper/onnx) stays
@@ -242,8 +249,8 @@ def load_settings(
 
 
 def _validate(s: Settings) -> None:
-    if s.kv_type not in ("f16", "q8_0", "q4_0"):
-        raise ConfigError(f"kv_type must be f16, q8_0 or q4_0, not {s.kv_type!r}")
+    if s.kv_type not in KV_TYPES:
+        raise ConfigError(f"kv_type must be one of {', '.join(KV_TYPES)}, not {s.kv_type!r}")
     if not 0 < s.load_fraction < s.soft_fraction < s.hard_fraction <= 1:
         raise ConfigError("need 0 < load_fraction < soft_fraction < hard_fraction <= 1")
     if s.slots < 1 or s.queue_size < 0:

@@ -13,9 +13,8 @@ import time
 from typing import Any
 
 from elbowroom.cli.common import add_common, print_json, settings_from, table
-from elbowroom.memory.budget import BudgetConfig
 from elbowroom.memory.monitor import Monitor, Sample
-from elbowroom.memory.pools import Pool, memory_pools, pool_to_dict
+from elbowroom.memory.pools import Pool, pool_to_dict
 from elbowroom.memory.probe import default_probe
 from elbowroom.memory.types import Snapshot
 from elbowroom.units import format_size as fs
@@ -57,24 +56,18 @@ def cmd_memory(args: argparse.Namespace) -> int:
         print("elbowroom: --count must be >= 1", file=sys.stderr)
         return 2
     interval = settings.monitor_interval if watch == _DEFAULT_INTERVAL else watch
-    monitor = Monitor(
+    # No server asked: nothing is ours; the budget is the one a server starting now has.
+    monitor = Monitor.from_settings(
+        settings,
         default_probe(settings),
         own_usage=lambda: 0,
-        cfg=BudgetConfig.from_settings(settings),
         interval=interval or settings.monitor_interval,
         history_seconds=0,
     )
     try:
         if interval is None:
             sample = monitor.sample_now()
-            pools = memory_pools(
-                sample.snapshot,
-                0,
-                {},
-                BudgetConfig.from_settings(settings),
-                gpu_reserve_bytes=settings.gpu_reserve,
-                gpu_override=settings.override_gpu_memory,
-            )
+            pools = sample.pools
             if args.json:
                 print_json({**sample.to_dict(), "pools": [pool_to_dict(p) for p in pools]})
             else:

@@ -2,38 +2,38 @@
 budget arithmetic for one model, step by step).
 
 Standalone: no server is asked, so nothing is committed yet ("ours" is 0) and the budget is
-the one a server starting now would have. A running server shows its own view at /api/ps.
+the one a server starting now would have. The sizing, the fit and the suggestions are the
+server's own (``scheduler.planner``: plan_load, GPU placement, policy.decide and its 507
+suggestions), so `plan` and a load cannot disagree. A running server shows its own view at
+/api/ps.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from elbowroom.cli.common import add_common, print_json, settings_from, table
-from elbowroom.config import Settings
+from elbowroom.config import KV_TYPES, Settings
 from elbowroom.errors import ElbowroomError
-from elbowroom.memory.budget import BudgetConfig, Fit, Limit, fits, limit_to_dict, memory_limit
+from elbowroom.memory.budget import Fit, Limit, fits, limit_to_dict
+from elbowroom.memory.monitor import Monitor, Sample
 from elbowroom.memory.probe import default_probe
 from elbowroom.memory.types import Snapshot
 from elbowroom.models.bundled import unprepared
 from elbowroom.models.catalog import Catalog, discover
-from elbowroom.models.estimate import (
-    auto_context,
-    context_cap,
-    footprint,
-    max_context,
-    prompt_cache_grant,
-    swa_layers,
-)
+from elbowroom.models.estimate import max_context, swa_layers
 from elbowroom.models.measured import MeasuredStore
 from elbowroom.models.spec import Footprint, ModelSpec
+from elbowroom.scheduler import policy
+from elbowroom.scheduler.inputs import default_estimator
+from elbowroom.scheduler.planner import budget_state, plan_and_decide
+from elbowroom.scheduler.sizing import Plan
 from elbowroom.units import format_size as fs
-
-KV_TYPES = ("f16", "q8_0", "q4_0")
 
 
 def _add_catalog_flags(p: argparse.ArgumentParser) -> None:
@@ -81,43 +81,49 @@ def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
     )
 
 
+_CTX_SOURCES = {"setting": "ctx setting", "min_ctx": "min_ctx (auto: none fits)"}
+
+
+def _nothing_ours() -> int:
+    return 0
+
+
 class _Context:
-    """What both commands read from the world: catalog, snapshot, limit, measurements."""
+    """What both commands read from the world: catalog, the memory sample a server starting
+    now would take (nothing ours yet), measurements."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.catalog: Catalog = discover(settings)
-        self.snapshot: Snapshot = default_probe(settings)()
-        self.limit: Limit = memory_limit(self.snapshot, 0, BudgetConfig.from_settings(settings))
+        monitor = Monitor.from_settings(
+            settings, default_probe(settings), own_usage=_nothing_ours, history_seconds=0
+        )
+        self.sample: Sample = monitor.read()
+        self.snapshot: Snapshot = self.sample.snapshot
+        self.limit: Limit = self.sample.limit
         self.measured = MeasuredStore(settings.measurements_path)
 
-    def size(self, spec: ModelSpec, n_ctx: int | None) -> tuple[int, str]:
-        """The context to predict at, and where it came from."""
-        s = self.settings
-        if spec.gguf is None:
-            return 0, "none"
-        if n_ctx is not None:
-            return n_ctx, "--ctx"
-        if s.ctx is not None:
-            return s.ctx, "ctx setting"
-        auto = auto_context(
-            spec,
-            self.limit.ceiling,
-            s.max_ctx,
-            s.min_ctx,
-            s.slots_for(spec.id),
-            s.kv_type,
-            self.measured,
+    def plan(self, spec: ModelSpec, ctx_flag: bool = False) -> _Verdict:
+        """The server's plan for loading ``spec`` with nothing else loaded, its fit against
+        the load ceiling, and the policy's refusal (with its suggestions) if any."""
+        state = budget_state((), self.limit.ceiling, self.sample.pools, 0)
+        plan, decision = plan_and_decide(
+            spec, self.settings, state, self.sample.pools, default_estimator(), self.measured
         )
-        if auto > 0:
-            return auto, "auto"
-        return min(
-            s.min_ctx, context_cap(spec, s.max_ctx) or s.min_ctx
-        ), "min_ctx (auto: none fits)"
+        fit = fits(plan.footprint.total, 0, self.limit)
+        refusal = decision if isinstance(decision, policy.Refuse) else None
+        if refusal is not None and fit.ok:  # a GPU pool that cannot hold its share
+            fit = dataclasses.replace(fit, ok=False, reason=refusal.message())
+        how = "--ctx" if ctx_flag and plan.ctx_source == "setting" else plan.ctx_source
+        return _Verdict(plan, _CTX_SOURCES.get(how, how), fit, refusal)
 
-    def footprint(self, spec: ModelSpec, n_ctx: int) -> Footprint:
-        s = self.settings
-        return footprint(spec, n_ctx, s.slots_for(spec.id), s.kv_type, self.measured)
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Verdict:
+    plan: Plan
+    how: str  # where the context came from, for people
+    fit: Fit
+    refusal: policy.Refuse | None  # the server's 507, when it would refuse the load
 
 
 def _footprint_dict(fp: Footprint) -> dict[str, Any]:
@@ -134,9 +140,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return _fail(exc)
     rows, items = [], []
     for spec in ctx.catalog.list():
-        n_ctx, how = ctx.size(spec, None)
-        fp = ctx.footprint(spec, n_ctx)
-        fit = fits(fp.total, 0, ctx.limit)
+        verdict = ctx.plan(spec)
+        n_ctx, how, fp, fit = verdict.plan.n_ctx, verdict.how, verdict.plan.footprint, verdict.fit
         rows.append(
             [
                 spec.id,
@@ -208,57 +213,30 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 1
     spec = ctx.catalog.get(args.model_id)
     s = ctx.settings
-    n_ctx, how = ctx.size(spec, args.ctx)
-    fp = ctx.footprint(spec, n_ctx)
-    fit = fits(fp.total, 0, ctx.limit)
+    verdict = ctx.plan(spec, ctx_flag=args.ctx is not None)
+    fit = verdict.fit
     largest = (
         max_context(spec, ctx.limit.ceiling, s.slots_for(spec.id), s.kv_type, None, ctx.measured)
         if spec.gguf
         else 0
     )
-    tips = _suggestions(ctx, spec, fit, n_ctx, largest)
-    grant = prompt_cache_grant(ctx.limit.ceiling, fp, s.kv_ram_max) if s.kv_cache else 0
+    # The server's 507 suggestions, word for word.
+    tips = [t.message for t in verdict.refusal.suggestions] if verdict.refusal else []
     if args.json:
-        print_json(_plan_dict(ctx, spec, n_ctx, how, fp, fit, largest, tips, grant))
+        print_json(_plan_dict(ctx, spec, verdict, largest, tips))
     else:
-        print(_plan_text(ctx, spec, n_ctx, how, fp, fit, largest, tips, grant))
+        print(_plan_text(ctx, spec, verdict, largest, tips))
     if not fit.ok:
         print(f"elbowroom: {spec.id} does not fit: {fit.reason}", file=sys.stderr)
         return 1
     return 0
 
 
-def _suggestions(ctx: _Context, spec: ModelSpec, fit: Fit, n_ctx: int, largest: int) -> list[str]:
-    if fit.ok:
-        return []
-    s = ctx.settings
-    tips = []
-    if spec.gguf is not None:
-        if largest >= min(s.min_ctx, n_ctx) and largest > 0:
-            tips.append(f"use --ctx {largest} (the largest context that fits)")
-        for kv in KV_TYPES[KV_TYPES.index(s.kv_type) + 1 :]:
-            if footprint(spec, n_ctx, s.slots_for(spec.id), kv).total <= ctx.limit.ceiling:
-                tips.append(f"use --kv-type {kv} (fits at n_ctx {n_ctx})")
-                break
-    tips.append(
-        f"free {fs(fit.shortfall)} of memory or raise the limit (the winning candidate is "
-        f"{ctx.limit.winner}; `elbowroom memory` shows all of them)"
-    )
-    return tips
-
-
 def _plan_dict(
-    ctx: _Context,
-    spec: ModelSpec,
-    n_ctx: int,
-    how: str,
-    fp: Footprint,
-    fit: Fit,
-    largest: int,
-    tips: list[str],
-    grant: int,
+    ctx: _Context, spec: ModelSpec, verdict: _Verdict, largest: int, tips: list[str]
 ) -> dict[str, Any]:
     snap, s = ctx.snapshot, ctx.settings
+    n_ctx, how, fp, fit = verdict.plan.n_ctx, verdict.how, verdict.plan.footprint, verdict.fit
     return {
         "model": {
             "id": spec.id,
@@ -290,23 +268,17 @@ def _plan_dict(
         },
         "footprint": _footprint_dict(fp),
         "fit": asdict(fit),
-        "prompt_cache_grant": grant,
+        "prompt_cache_grant": verdict.plan.cache_grant,
         "suggestions": tips,
     }
 
 
 def _plan_text(
-    ctx: _Context,
-    spec: ModelSpec,
-    n_ctx: int,
-    how: str,
-    fp: Footprint,
-    fit: Fit,
-    largest: int,
-    tips: list[str],
-    grant: int,
+    ctx: _Context, spec: ModelSpec, verdict: _Verdict, largest: int, tips: list[str]
 ) -> str:
     snap, s, limit = ctx.snapshot, ctx.settings, ctx.limit
+    n_ctx, how, fp, fit = verdict.plan.n_ctx, verdict.how, verdict.plan.footprint, verdict.fit
+    grant = verdict.plan.cache_grant
     lines = [f"plan for {spec.id}: {spec.description or spec.path}", ""]
     memory = f"1. memory total {fs(snap.total)}"
     if snap.total != snap.host_total:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from elbowroom.cli.common import add_common, print_json, settings_from, table
-from elbowroom.config import Settings
+from elbowroom.config import KV_TYPES, Settings
 from elbowroom.errors import ElbowroomError
 from elbowroom.server.deps import parse_keep_alive
 from elbowroom.units import format_size
@@ -40,7 +40,7 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--model-slots", action="append", metavar="ID=N", help="slots of one model (repeat)"
     )
-    p.add_argument("--kv-type", default=None, choices=("f16", "q8_0", "q4_0"))
+    p.add_argument("--kv-type", default=None, choices=KV_TYPES)
     p.add_argument("--keep-alive", default=None, help='idle LLM unload after, e.g. 300 or "5m"')
     p.add_argument("--models-dir", type=Path, default=None, help="folder of model files")
     p.add_argument("--model", action="append", type=Path, metavar="PATH", help="serve this file")

@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from elbowroom.config import KV_TYPES
 from elbowroom.engines.base import Cancelled, Emit
 from elbowroom.engines.llama_control import EngineControl
 from elbowroom.engines.llama_slots import Slots
@@ -38,13 +39,12 @@ from elbowroom.errors import (
     Unavailable,
 )
 from elbowroom.kvcache import CacheKey
+from elbowroom.memory.types import Pressure
 from elbowroom.models.estimate import CTX_CHECKPOINTS
 from elbowroom.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
-KV_TYPES = ("f16", "q8_0", "q4_0")
-HARD = 2  # pressure level at which generations are aborted
 # Prompt batches: the engine reports progress once per batch, which bounds how long a
 # cancellation waits during a long prefill. 512 is also the compute micro-batch.
 N_BATCH = 512
@@ -76,7 +76,6 @@ class LlamaEngine:
         self._chat_template = False
         self._native_tools = False
         self._max_tokens_cap: int | None = None
-        self._seed: int | None = None
         self._pressure: Callable[[], int] = lambda: 0
         self._slot_pool: Slots | None = None
         self._cache_grant = 0  # bytes the engine's RAM prompt cache may hold
@@ -84,6 +83,10 @@ class LlamaEngine:
         self._lock = threading.Lock()
         self._active = 0
         self._served = 0
+        # Direct streams open now: ticket -> (slot, cache-isolated).
+        self._tickets: dict[int, tuple[int, bool]] = {}
+        self._next_ticket = 0
+        self._direct = 0  # requests served as direct streams
         self.max_concurrent = 1
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -101,8 +104,6 @@ class LlamaEngine:
         self._pressure = options.get("pressure") or (lambda: 0)
         cap = options.get("max_tokens_cap")
         self._max_tokens_cap = int(cap) if cap else None
-        seed = options.get("seed")
-        self._seed = int(seed) if seed is not None else None
         self._chat_template = bool(spec.gguf is not None and spec.gguf.has_chat_template)
 
         control = self._control = EngineControl()
@@ -202,11 +203,12 @@ class LlamaEngine:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            active, served = self._active, self._served
+            active, served, direct = self._active, self._served, self._direct
         out: dict[str, Any] = {
             "slots": self._slots,
             "slots_busy": active,
             "requests_served": served,
+            "direct_streams": direct,
             "prompt_cache_grant": self._cache_grant,
         }
         if self._slot_pool is not None:
@@ -243,13 +245,18 @@ class LlamaEngine:
     ) -> dict[str, Any]:
         if self._server is None:
             raise EngineError("the model is not loaded")
-        if op not in ("chat", "completion"):
+        if op == "close":
+            return self._close(payload)
+        if op not in ("chat", "completion", "open"):
             raise BadRequest(f"the llama engine does not serve {op!r} (chat, completion)")
-        if self._pressure() >= HARD:  # refuse before spending a prefill on it
+        if self._pressure() >= Pressure.HARD:  # refuse before spending a prefill on it
             raise MemoryPressure(
                 "memory pressure is hard: no new generation starts; retry later or free memory",
                 code="memory_pressure",
             )
+        if op == "open":
+            request = dict(payload.get("request") or {})
+            return self._open(str(payload.get("kind")), request, bool(payload.get("stream")))
         body, emulated = self._body(op, payload)
         chat = op == "chat" and "messages" in body
         state = StreamState(chat=chat)
@@ -278,7 +285,7 @@ class LlamaEngine:
                 self._served += 1
         pool.observe_prefill(state.timings)
         if state.error is not None:
-            raise _translate(state.error)
+            raise translate_error(state.error)
         if stopped and stopped[0] == "pressure":
             raise MemoryPressure(
                 "generation aborted: memory pressure is hard "
@@ -300,6 +307,71 @@ class LlamaEngine:
         elif result.get("tool_calls") and result["finish_reason"] == "stop":
             result["finish_reason"] = "tool_calls"
         return result
+
+    # ---- direct streams (server/direct.py) ----------------------------------------------
+
+    def _open(self, op: str, payload: dict[str, Any], stream: bool) -> dict[str, Any]:
+        """Prepare a request that the server process sends to the engine's private socket
+        itself (no token crosses the runner pipe): pick and prepare its slot, and hand
+        back the engine request (``stream`` or one JSON answer). Requests whose answer
+        elbowroom must rewrite on the way (emulated tools, the no-template transcript,
+        logprobs) are declined: the server runs them through ``run`` instead."""
+        if op not in ("chat", "completion"):
+            raise BadRequest(f"the llama engine does not stream {op!r} (chat, completion)")
+        body, emulated = self._body(op, payload)
+        chat = op == "chat" and "messages" in body
+        if emulated or (op == "chat" and not chat) or body.get("logprobs") or "n_probs" in body:
+            return {"direct": False}
+        assert self._control is not None and self._slot_pool is not None
+        pool = self._slot_pool
+        isolated = bool(payload.get("cache_salt"))
+        slot = pool.acquire("" if isolated else _slot_key(body))
+        body["id_slot"] = slot
+        body.pop("return_progress", None)  # progress chunks are for the in-runner path only
+        if not stream:
+            body["stream"] = False
+            body.pop("stream_options", None)
+        if isolated:
+            body["cache_prompt"] = False
+        with self._lock:
+            self._active += 1
+            ticket = self._next_ticket = self._next_ticket + 1
+            self._tickets[ticket] = (slot, isolated)
+            self._direct += 1
+        try:
+            if not isolated:
+                pool.prepare(slot, "chat" if chat else "completion", _template_body(body))
+        except BaseException:
+            self._close({"ticket": ticket})
+            raise
+        return {
+            "direct": True,
+            "ticket": ticket,
+            "socket": self._control.socket,
+            "key": self._control.key,
+            "path": "/v1/chat/completions" if chat else "/v1/completions",
+            "body": body,
+            "block_tokens": self._block,
+        }
+
+    def _close(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """A direct stream ended (any way): give its slot back."""
+        with self._lock:
+            entry = self._tickets.pop(int(payload.get("ticket", 0)), None)
+            if entry is None:
+                return {"closed": False}
+            self._active -= 1
+            self._served += 1
+        slot, isolated = entry
+        pool = self._slot_pool
+        if pool is not None:
+            if isolated:
+                pool.erase(slot)
+            pool.release(slot)
+            timings = payload.get("timings")
+            if isinstance(timings, dict):
+                pool.observe_prefill(timings)
+        return {"closed": True}
 
     def _call(
         self,
@@ -325,7 +397,7 @@ class LlamaEngine:
             if cancelled():
                 stopped.append("cancelled")
                 return True
-            if self._pressure() >= HARD:
+            if self._pressure() >= Pressure.HARD:
                 stopped.append("pressure")
                 return True
             return False
@@ -371,8 +443,6 @@ class LlamaEngine:
             max_tokens = min(max_tokens or self._max_tokens_cap, self._max_tokens_cap)
         if max_tokens:
             body["max_tokens"] = int(max_tokens)
-        if "seed" not in body and self._seed is not None:
-            body["seed"] = self._seed
         if op == "completion" and body.get("logprobs"):
             # /v1/completions' logprobs is the number of alternatives (legacy shape).
             body["n_probs"] = int(body.pop("logprobs"))
@@ -477,7 +547,7 @@ def _fallback_prompt(messages: list[dict[str, Any]]) -> str:
     return "\n".join([*lines, "Assistant:"])
 
 
-def _translate(err: dict[str, Any]) -> ElbowroomError:
+def translate_error(err: dict[str, Any]) -> ElbowroomError:
     """The engine's error object -> elbowroom's error tree (one place)."""
     code = int(err.get("code") or 500)
     message = str(err.get("message") or "the engine failed")

@@ -55,7 +55,6 @@ class SphinxEngine:
                 "pocketsphinx is not installed: pip install 'elbowroom[asr]'"
             ) from exc
         files = model_files(spec.path)
-        self._max_seconds = float(options.get("max_audio_seconds") or MAX_AUDIO_SECONDS)
         try:
             self._decoder = Decoder(samprate=SAMPLE_RATE, loglevel="FATAL", **files)
         except (RuntimeError, ValueError, OSError) as exc:

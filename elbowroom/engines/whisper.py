@@ -29,7 +29,6 @@ class WhisperEngine:
                 "faster-whisper is not installed: pip install 'elbowroom[asr]'"
             ) from exc
         threads = int(options.get("threads") or 2)
-        self._max_seconds = float(options.get("max_audio_seconds") or MAX_AUDIO_SECONDS)
         try:
             self._model = WhisperModel(
                 str(spec.path), device="cpu", compute_type="int8", cpu_threads=threads

@@ -39,10 +39,10 @@ __all__ = [
     "assess",
     "container_margin",
     "fits",
+    "limit_of",
     "limit_to_dict",
     "memory_limit",
     "os_reserve",
-    "pressure_level",
     "ram_fraction",
     "rule_of",
 ]
@@ -252,7 +252,13 @@ def memory_limit(snap: Snapshot, own_usage: int, cfg: BudgetConfig) -> Limit:
             + (f" − safety margin {fs(safety)}" if rule == "host" else " (the container's own)"),
         )
     )
-    winner = min(cands, key=lambda c: c.value)  # the first listed wins a tie
+    return limit_of(cands, cfg, rule, rule_why)
+
+
+def limit_of(cands: list[Candidate], cfg: BudgetConfig, rule: Rule, rule_why: str) -> Limit:
+    """The smallest candidate (the first listed wins a tie) and the thresholds on it: one
+    place for the arithmetic every pool (host, unified, GPU) shares."""
+    winner = min(cands, key=lambda c: c.value)
     return Limit(
         value=winner.value,
         winner=winner.name,
@@ -319,11 +325,6 @@ def assess(snap: Snapshot, own_usage: int, limit: Limit, cfg: BudgetConfig) -> A
         found.append((Pressure.SOFT, "macOS memory pressure is warn"))
     level = max((lvl for lvl, _ in found), default=Pressure.NORMAL)
     return Assessment(level, tuple(why for _, why in found))
-
-
-def pressure_level(snap: Snapshot, own_usage: int, limit: Limit, cfg: BudgetConfig) -> Pressure:
-    """NORMAL / SOFT / HARD (see assess() for the signals)."""
-    return assess(snap, own_usage, limit, cfg).level
 
 
 @dataclass(frozen=True, slots=True)

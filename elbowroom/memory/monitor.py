@@ -1,8 +1,16 @@
-"""The background sampler: probe → budget → pressure level, every ``interval`` seconds.
+"""The one owner of the memory picture: probe → pools and limit → pressure level.
 
-One daemon thread takes a Sample, keeps the last ``history_seconds`` of them in a ring
-buffer and hands each to ``on_sample`` (the scheduler's hook). A failing probe or callback
-is logged and the next tick tries again: the monitor must outlive a bad reading.
+A ``Sample`` is everything elbowroom knows about memory at one instant: the snapshot, our
+own usage (one definition: what our runners hold plus the server process's anonymous
+bytes, supplied by the scheduler), every pool (host or unified first, then each GPU) with
+its limit, and the pressure level with its reasons. The limit is computed here and only
+here; the BudgetConfig is built once, in ``from_settings``.
+
+``read()`` takes a sample without recording it (the scheduler asks for a fresh one under
+its load lock, and for /api/memory); ``sample_now()`` also records it in the ring buffer
+of the last ``history_seconds`` and hands it to the subscriber (the pressure guard). One
+daemon thread calls ``sample_now()`` every ``interval`` seconds; a failing probe or
+callback is logged and the next tick tries again: the monitor must outlive a bad reading.
 """
 
 from __future__ import annotations
@@ -12,11 +20,13 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from elbowroom.memory.budget import BudgetConfig, Limit, assess, limit_to_dict, memory_limit
+from elbowroom.config import Settings
+from elbowroom.memory.budget import BudgetConfig, Limit, assess, limit_to_dict
+from elbowroom.memory.pools import Pool, memory_pools
 from elbowroom.memory.probe import snapshot_to_dict
 from elbowroom.memory.types import Pressure, Probe, Snapshot
 
@@ -30,10 +40,11 @@ class Sample:
     at: float  # the monitor's clock (monotonic): for intervals and ordering
     wall: float  # time.time(): for people and dashboards
     snapshot: Snapshot
-    own_usage: int
-    limit: Limit
+    own_usage: int  # our runners' resident bytes + the server process's anonymous bytes
+    limit: Limit  # the host (or unified) pool's: pools[0].limit
     level: Pressure
     reasons: tuple[str, ...] = ()  # the signals that raised the level above normal
+    pools: tuple[Pool, ...] = ()  # host (or unified) first, then one per GPU
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -45,6 +56,13 @@ class Sample:
             "level": self.level.label,
             "reasons": list(self.reasons),
         }
+
+
+OwnGpu = Callable[[], Mapping[int, int]]  # our bytes per GPU index
+
+
+def _no_gpu_bytes() -> Mapping[int, int]:
+    return {}
 
 
 class Monitor:
@@ -59,11 +77,17 @@ class Monitor:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         on_sample: Callable[[Sample], None] | None = None,
+        own_gpu: OwnGpu = _no_gpu_bytes,
+        gpu_reserve: int | None = None,
+        gpu_override: int | None = None,
     ) -> None:
         if interval <= 0 or history_seconds < 0:
             raise ValueError("interval must be > 0 and history_seconds >= 0")
         self._probe = probe
         self._own_usage = own_usage
+        self._own_gpu = own_gpu
+        self._gpu_reserve = gpu_reserve
+        self._gpu_override = gpu_override
         self._cfg = cfg
         self._interval = interval
         self._clock = clock
@@ -74,9 +98,49 @@ class Monitor:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
+    @classmethod
+    def from_settings(
+        cls,
+        settings: Settings,
+        probe: Probe,
+        *,
+        own_usage: Callable[[], int],
+        own_gpu: OwnGpu = _no_gpu_bytes,
+        interval: float | None = None,
+        history_seconds: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> Monitor:
+        """The monitor of a server (or CLI) with these settings: the one BudgetConfig."""
+        return cls(
+            probe,
+            own_usage=own_usage,
+            own_gpu=own_gpu,
+            cfg=BudgetConfig.from_settings(settings),
+            interval=settings.monitor_interval if interval is None else interval,
+            history_seconds=(
+                settings.monitor_history if history_seconds is None else history_seconds
+            ),
+            clock=clock,
+            gpu_reserve=settings.gpu_reserve,
+            gpu_override=settings.override_gpu_memory,
+        )
+
     @property
     def interval(self) -> float:
         return self._interval
+
+    @property
+    def cfg(self) -> BudgetConfig:
+        return self._cfg
+
+    @property
+    def probe(self) -> Probe:
+        return self._probe
+
+    def subscribe(self, on_sample: Callable[[Sample], None]) -> None:
+        """Hand every recorded sample to ``on_sample`` (one subscriber: the pressure guard);
+        it runs in the monitor's thread."""
+        self._on_sample = on_sample
 
     @property
     def latest(self) -> Sample | None:
@@ -88,13 +152,23 @@ class Monitor:
         with self._lock:
             return list(self._history)
 
-    def sample_now(self) -> Sample:
-        """Take one sample synchronously; errors from the probe propagate."""
+    def read(self) -> Sample:
+        """A fresh sample, not recorded nor handed on; errors from the probe propagate."""
         snap = self._probe()
         own = self._own_usage()
-        limit = memory_limit(snap, own, self._cfg)
+        pools = memory_pools(
+            snap,
+            own,
+            self._own_gpu(),
+            self._cfg,
+            gpu_reserve_bytes=self._gpu_reserve,
+            gpu_override=self._gpu_override,
+        )
+        # The host (or unified) pool's limit is budget.memory_limit's, plus the Metal wired
+        # limit as a candidate on Apple Silicon.
+        limit = pools[0].limit
         verdict = assess(snap, own, limit, self._cfg)
-        sample = Sample(
+        return Sample(
             at=self._clock(),
             wall=self._wall(),
             snapshot=snap,
@@ -102,9 +176,16 @@ class Monitor:
             limit=limit,
             level=verdict.level,
             reasons=verdict.reasons,
+            pools=pools,
         )
-        with self._lock:
-            self._history.append(sample)
+
+    def sample_now(self, record: bool = True) -> Sample:
+        """Take one sample synchronously, record it (unless ``record`` is False) and hand it
+        to the subscriber; errors from the probe propagate."""
+        sample = self.read()
+        if record:
+            with self._lock:
+                self._history.append(sample)
         if self._on_sample is not None:
             self._on_sample(sample)
         return sample

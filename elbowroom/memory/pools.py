@@ -24,7 +24,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from elbowroom.memory.budget import BudgetConfig, Candidate, Limit, limit_to_dict, memory_limit
+from elbowroom.memory.budget import (
+    BudgetConfig,
+    Candidate,
+    Limit,
+    limit_of,
+    limit_to_dict,
+    memory_limit,
+)
 from elbowroom.memory.types import GpuMemory, Pressure, Snapshot
 from elbowroom.units import GiB, MiB, format_size
 
@@ -71,18 +78,7 @@ def gpu_reserve(total: int) -> int:
     return min(512 * MiB if total <= 16 * GiB else 1 * GiB, total // 4)
 
 
-def _limit(cands: list[Candidate], cfg: BudgetConfig) -> Limit:
-    winner = min(cands, key=lambda c: c.value)  # the first listed wins a tie
-    return Limit(
-        value=winner.value,
-        winner=winner.name,
-        candidates=tuple(cands),
-        soft=int(winner.value * cfg.soft_fraction),
-        hard=int(winner.value * cfg.hard_fraction),
-        ceiling=int(winner.value * cfg.load_fraction),
-        rule="gpu",
-        rule_why="a GPU's own memory: its reserve and what other processes use on it",
-    )
+_GPU_RULE_WHY = "a GPU's own memory: its reserve and what other processes use on it"
 
 
 def gpu_pool(
@@ -127,7 +123,7 @@ def gpu_pool(
         ours=ours,
         others=others,
         reserve=held,
-        limit=_limit(cands, cfg),
+        limit=limit_of(cands, cfg, "gpu", _GPU_RULE_WHY),
         device=gpu.index,
     )
 
@@ -144,7 +140,7 @@ def host_pool(snap: Snapshot, own_usage: int, cfg: BudgetConfig) -> Pool:
             snap.gpu_wired_limit,
             f"iogpu.wired_limit_mb {snap.gpu_wired_limit // MiB} (what the GPU may wire)",
         )
-        limit = _limit([*limit.candidates, wired], cfg)
+        limit = limit_of([*limit.candidates, wired], cfg, limit.rule, limit.rule_why)
     used = max(0, snap.total - snap.available)
     return Pool(
         name="unified" if unified else HOST,

@@ -34,6 +34,7 @@ import platform
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from elbowroom.config import KV_TYPES
 from elbowroom.errors import BadRequest
 from elbowroom.memory.types import ProcessMemory
 from elbowroom.models.spec import Footprint, GGUFInfo, ModelSpec
@@ -43,9 +44,11 @@ if TYPE_CHECKING:
     from elbowroom.models.measured import MeasuredStore
 
 # Bytes per KV element: f16 is 2; q8_0 packs 32 values in 34 bytes, q4_0 in 18.
-KV_TYPE_BYTES: dict[str, float] = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+KV_TYPE_BYTES: dict[str, float] = dict(zip(KV_TYPES, (2.0, 34 / 32, 18 / 32), strict=True))
 
-CTX_STEP = 256  # auto-sized contexts are multiples of this
+# Auto-sized contexts, GPU-fitted contexts and suggested --ctx values are multiples of this
+# (llama.cpp pads the KV cache to 256 cells anyway, so a finer step would save nothing).
+CTX_STEP = 256
 
 # --- the engine's settings the estimate assumes (calibrate.engine_params passes them)
 N_UBATCH = 512  # llama.cpp's default micro-batch: sizes the compute buffer

@@ -124,6 +124,11 @@ class Supervisor:
         self._ids = itertools.count(1)
         self._send_lock = threading.Lock()
         self._level = 0
+        self._pressure_watchers: set[Callable[[int], None]] = set()
+
+    # The server may read an engine's stream straight from its socket (server/direct.py):
+    # the engine's socket is on this machine.
+    direct_streams = True
 
     # ---- Runner properties -------------------------------------------------------------
 
@@ -312,6 +317,23 @@ class Supervisor:
         self._level = int(level)
         if self._state in (RunnerState.STARTING, RunnerState.READY):
             self._send_quietly({"op": "pressure", "level": self._level})
+        for watcher in list(self._pressure_watchers):
+            try:
+                watcher(self._level)
+            except Exception:
+                log.exception("a pressure watcher of %s failed", self.spec.id)
+
+    def watch_pressure(self, watcher: Callable[[int], None]) -> Callable[[], None]:
+        """Call ``watcher(level)`` on every pressure change until the returned function is
+        called: direct streams (which bypass the runner's own pressure check) abort on it."""
+        self._pressure_watchers.add(watcher)
+        if self._level:
+            watcher(self._level)
+        return lambda: self._pressure_watchers.discard(watcher)
+
+    @property
+    def pressure_level(self) -> int:
+        return self._level
 
     def measure(self) -> ProcessMemory:
         pid = self.pid

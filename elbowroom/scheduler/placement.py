@@ -21,12 +21,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from elbowroom.memory.pools import gpu_pool_name
+from elbowroom.models.estimate import CTX_STEP
 from elbowroom.models.offload import Layout, OffloadBytes, split_bytes
 from elbowroom.units import format_size
 
-__all__ = ["CTX_STEP", "GpuRoom", "Placement", "gpu_context", "place", "unified"]
-
-CTX_STEP = 256
+__all__ = ["GpuRoom", "Placement", "gpu_context", "place", "unified"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """The scheduler's decisions as pure functions over a frozen picture of its state.
 
 No I/O, no clock reads, no asyncio: the loop (``loop.py``) builds a ``State`` from its
-runners and a memory snapshot, asks ``decide``/``expired``/``relieve`` what to do, and
+runners and a memory snapshot, asks ``decide``/``expired`` what to do, and
 applies the answer. Everything here is a function of its arguments, so every rule is
 tested without processes.
 
@@ -25,15 +25,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from elbowroom.memory.types import Pressure
+from elbowroom.models.estimate import CTX_STEP
 from elbowroom.models.spec import Holding, ModelKind
 from elbowroom.units import format_size
 
 HOST = "host"  # the host RAM pool's name in shortfalls and refusals
-
-# Auto-sized contexts and suggested --ctx values are multiples of this (llama.cpp pads the
-# KV cache to 256 cells anyway, so a finer suggestion would not save anything).
-CTX_STEP = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +55,9 @@ class ModelState:
 @dataclass(frozen=True, slots=True)
 class State:
     models: tuple[ModelState, ...]
-    limit: int  # the load ceiling: bytes our models may hold (below the soft threshold)
+    # The load ceiling less the server process's own bytes: what our models may hold (below
+    # the soft threshold). The scheduler always passes this, from its last observation.
+    limit: int
     pool_limits: Mapping[str, int] = field(default_factory=dict)  # GPU pools' ceilings
 
     @property
@@ -423,24 +421,3 @@ def expired(state: State, now: float) -> list[str]:
         if m.idle and not m.pinned and m.expires_at is not None and m.expires_at <= now
     ]
     return [m.id for m in sorted(due, key=lambda m: (m.expires_at or 0.0, m.id))]
-
-
-def relieve(state: State, pressure: Pressure, excess: int) -> list[str]:
-    """Models to unload under memory pressure (keep-alive does not protect them).
-
-    ``excess`` is how many bytes over the soft threshold elbowroom's usage stands (0 or less
-    when the pressure comes from elsewhere, e.g. PSI or other processes). Soft: idle unpinned
-    models, least recently used first, until ``excess`` is freed, or the single least recently
-    used one when the excess is not ours (the guard calls again while pressure lasts, so
-    relief escalates one model at a time). Hard: every idle unpinned model. Busy and pinned
-    models are never unloaded here: the guard aborts generations for those.
-    """
-    if pressure == Pressure.NORMAL:
-        return []
-    order = eviction_order(state.models)
-    if pressure >= Pressure.HARD:
-        return [m.id for m in order]
-    if excess <= 0:
-        return [m.id for m in order[:1]]
-    taken = _prefix_freeing(order, excess)
-    return [m.id for m in (taken if taken is not None else order)]

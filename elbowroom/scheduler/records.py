@@ -1,4 +1,5 @@
-"""The loop's mutable per-model bookkeeping. Only ``loop.Scheduler`` touches these.
+"""The scheduler's mutable per-model bookkeeping: ``lanes.Lanes`` owns the lanes,
+``residency.Residency`` the loaded records; ``loop.Scheduler`` touches both for a request.
 
 A ``Lane`` exists for every model that was ever requested (its queue, concurrency slots and
 crash history outlive any one runner); a ``Loaded`` record exists while a runner holds the

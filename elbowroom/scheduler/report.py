@@ -10,7 +10,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from elbowroom.scheduler.records import Lane, Loaded
+from elbowroom.memory import budget
+from elbowroom.memory.monitor import Sample
+from elbowroom.memory.pools import pool_to_dict
+from elbowroom.scheduler.records import Lane, Loaded, Phase
 
 
 def plain(value: Any) -> Any:
@@ -68,4 +71,31 @@ def describe(rec: Loaded, lane: Lane | None, now: float) -> dict[str, Any]:
         # placement was made, e.g. no GPU).
         "processor": rec.placement.split if rec.placement is not None else None,
         "placement": rec.placement.to_dict() if rec.placement is not None else None,
+    }
+
+
+def memory_report(
+    sample: Sample, loaded: list[Loaded], server: int, loads_paused: bool
+) -> dict[str, Any]:
+    """``Scheduler.memory_report()``: the monitor's fresh sample and what is committed."""
+    limit = sample.limit
+    committed = sum(rec.held_bytes() for rec in loaded)
+    return {
+        "snapshot": plain(sample.snapshot),
+        "limit": budget.limit_to_dict(limit),
+        "thresholds": {"soft": limit.soft, "hard": limit.hard},
+        "pressure": sample.level.label,
+        "pressure_reasons": list(sample.reasons),
+        "own_usage": sample.own_usage,
+        "committed": committed,
+        "ceiling": limit.ceiling,
+        "server_usage": server,
+        "available": max(0, limit.ceiling - committed - server),
+        "reservations": [
+            {"id": rec.spec.id, "bytes": rec.predicted}
+            for rec in loaded
+            if rec.phase is Phase.LOADING
+        ],
+        "loads_paused": loads_paused,
+        "pools": [pool_to_dict(p) for p in sample.pools],
     }

@@ -1,7 +1,8 @@
 """What a load will cost: the context size of an LLM and the predicted footprint.
 
 Pure given its inputs (the estimate functions are pure; the measured store is read-only
-here). The loop turns the result into a ``policy.LoadRequest``.
+here). The plan carries the ``policy.LoadRequest`` that ``planner.plan_and_decide`` asks
+the policy about, after ``offload_plan`` placed it on the GPUs.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ class Plan:
     slots: int
     placement: Placement | None = None  # GPU offload (scheduler.offload_plan); None: CPU
     cache_grant: int = 0  # bytes of RAM prompt cache granted to the engine (LLMs)
+    # Where n_ctx came from: "none" (no context), "setting" (settings.ctx), "auto" or
+    # "min_ctx" (auto-sizing found none that fits), for `elbowroom plan` and logs.
+    ctx_source: str = "none"
 
 
 def has_context(spec: ModelSpec) -> bool:
@@ -56,15 +60,17 @@ def plan_load(
         fp = estimate.footprint(spec, 0, 1, kv_type, measured)
         return Plan(LoadRequest(spec.id, fp.total), fp, 0, kv_type, 1)
 
+    source = "setting"
     if settings.ctx is not None:
         n_ctx = settings.ctx
     else:
+        source = "auto"
         budget = state.limit - unevictable_bytes(state, spec.id)
         n_ctx = estimate.auto_context(
             spec, max(0, budget), settings.max_ctx, settings.min_ctx, slots, kv_type, measured
         )
         if n_ctx <= 0:
-            n_ctx = settings.min_ctx
+            n_ctx, source = settings.min_ctx, "min_ctx"
     fp = estimate.footprint(spec, n_ctx, slots, kv_type, measured)
     per_token_q8: float | None = None
     if kv_type == "f16":
@@ -84,7 +90,7 @@ def plan_load(
     wanted = settings.kv_ram_max if settings.kv_cache else 0
     grant = prompt_cache_grant(state.limit - committed, fp, wanted)
     request = LoadRequest(spec.id, fp.total + grant, cost)
-    return Plan(request, fp, n_ctx, kv_type, slots, cache_grant=grant)
+    return Plan(request, fp, n_ctx, kv_type, slots, cache_grant=grant, ctx_source=source)
 
 
 def start_options(settings: Settings, plan: Plan) -> dict[str, Any]:

@@ -8,11 +8,7 @@ the HTTP layer pass ready ``services`` instead; the app then neither starts nor 
 from __future__ import annotations
 
 import asyncio
-import importlib
-import importlib.util
 import logging
-import os
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -23,8 +19,17 @@ from elbowroom import __version__
 from elbowroom.config import Settings
 from elbowroom.errors import ElbowroomError
 from elbowroom.guard.admission import AdmissionMiddleware
+from elbowroom.memory.process import ServerBytes
 from elbowroom.memory.types import Probe
-from elbowroom.server import admin_routes, dashboard_routes, ollama_routes, openai_routes
+from elbowroom.server import (
+    admin_routes,
+    audio_routes,
+    dashboard_routes,
+    embeddings_routes,
+    metrics,
+    ollama_routes,
+    openai_routes,
+)
 from elbowroom.server.auth import ApiKeyMiddleware, Keys
 from elbowroom.server.deps import Services
 from elbowroom.server.errors import install_error_handlers
@@ -33,13 +38,6 @@ from elbowroom.server.metrics import MetricsMiddleware
 from elbowroom.server.origin import OriginMiddleware, OriginPolicy
 
 log = logging.getLogger("elbowroom.server")
-
-# Routers other modules own; included when present (each exposes ``router``).
-OPTIONAL_ROUTERS = (
-    "elbowroom.server.audio_routes",
-    "elbowroom.server.embeddings_routes",
-    "elbowroom.server.metrics",
-)
 
 OnReady = Callable[[Services], Awaitable[None] | None]
 
@@ -102,14 +100,10 @@ def create_app(
     app.include_router(admin_routes.router)
     app.include_router(ollama_routes.router)
     app.include_router(dashboard_routes.router)
-    for name in OPTIONAL_ROUTERS:
-        if _exists(name):
-            app.include_router(importlib.import_module(name).router)
+    app.include_router(audio_routes.router)
+    app.include_router(embeddings_routes.router)
+    app.include_router(metrics.router)
     return app
-
-
-def _exists(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
 
 
 def _guard_of(app: FastAPI) -> Any:
@@ -128,8 +122,6 @@ async def start_services(settings: Settings, *, probe: Probe | None = None) -> S
     not go unnoticed); a model that cannot be loaded is logged and served later on demand."""
     from elbowroom.guard.adapter import SchedulerTarget
     from elbowroom.guard.guard import PressureGuard
-    from elbowroom.memory.budget import BudgetConfig
-    from elbowroom.memory.monitor import Monitor
     from elbowroom.memory.probe import default_probe
     from elbowroom.models.catalog import discover
     from elbowroom.runtime.supervisor import supervisor_factory
@@ -144,6 +136,8 @@ async def start_services(settings: Settings, *, probe: Probe | None = None) -> S
         return await start_cluster(settings, catalog, _measured_store(settings))
     if probe is None:
         probe = default_probe(settings)
+    # The scheduler builds the memory monitor (its own usage is the scheduler's runners
+    # plus this process's bytes); the server runs its thread and the guard listens to it.
     scheduler = Scheduler(
         settings,
         catalog,
@@ -153,14 +147,8 @@ async def start_services(settings: Settings, *, probe: Probe | None = None) -> S
         server_usage=SERVER_BYTES,
     )
     guard = PressureGuard(SchedulerTarget(scheduler), enabled=settings.memory_guard)
-    monitor = Monitor(
-        probe,
-        own_usage=_runners_resident,
-        cfg=BudgetConfig.from_settings(settings),
-        interval=settings.monitor_interval,
-        history_seconds=settings.monitor_history,
-        on_sample=guard.on_sample,
-    )
+    monitor = scheduler.monitor
+    monitor.subscribe(guard.on_sample)
     services = Services(settings, catalog, scheduler, monitor=monitor, guard=guard)
     try:
         await guard.start()
@@ -186,42 +174,7 @@ async def stop_services(services: Services) -> None:
     await services.scheduler.close()
 
 
-def _runners_resident() -> int:
-    """Bytes our runner processes (the server's descendants) hold, plus the server's own
-    anonymous bytes: the monitor's own_usage."""
-    from elbowroom.memory.process import measure_tree
-
-    try:
-        runners = measure_tree(os.getpid(), include_self=False).resident
-    except (ProcessLookupError, FileNotFoundError, PermissionError):
-        runners = 0
-    return runners + SERVER_BYTES()
-
-
-class ServerBytes:
-    """The server process's anonymous bytes (request bodies, Python objects: what it cannot
-    give back), re-read at most every ``ttl`` seconds: the scheduler asks on every decision.
-    File-backed pages (the interpreter, libraries) are left out, as for runners' weights."""
-
-    def __init__(self, ttl: float = 0.5, clock: Callable[[], float] = time.monotonic) -> None:
-        self._ttl = ttl
-        self._clock = clock
-        self._at = -ttl
-        self._value = 0
-
-    def __call__(self) -> int:
-        now = self._clock()
-        if now - self._at >= self._ttl:
-            from elbowroom.memory.process import measure_pid
-
-            try:
-                self._value = measure_pid(os.getpid()).anonymous
-            except (ProcessLookupError, OSError):
-                self._value = 0
-            self._at = now
-        return self._value
-
-
+# This process's own bytes: the scheduler counts them as ours (so the monitor does too).
 SERVER_BYTES = ServerBytes()
 
 

@@ -1,22 +1,64 @@
 """What every router shares: the app's services, error responses and ``keep_alive`` parsing.
 
-Routers written by other modules (audio, embeddings) import from here so that they look
-and fail like the OpenAI routes: ``get_scheduler(request)``, ``get_catalog(request)``,
-``get_settings(request)``, ``error_response(err)``, ``parse_keep_alive(value)``.
+Every router (OpenAI, Ollama, audio, embeddings, admin, dashboard) reads the services with
+``get_services(request)`` and parses ``keep_alive`` with ``parse_keep_alive(value)``, so they
+all look and fail alike; ``error_response(err)`` is the one error shape.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from elbowroom.config import Settings
 from elbowroom.errors import BadRequest, ElbowroomError, Unavailable
+from elbowroom.models.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from elbowroom.guard.guard import PressureGuard
+    from elbowroom.memory.monitor import Monitor
+    from elbowroom.runtime.protocol import Runner
+    from elbowroom.scheduler.events import EventLog
+
+
+class CatalogService(Protocol):
+    """What the routes ask of the catalog (``elbowroom.models.catalog.Catalog``)."""
+
+    def get(self, model_id: str) -> ModelSpec:
+        """The spec of ``model_id``; raises errors.ModelNotFound."""
+        ...
+
+    def list(self) -> list[ModelSpec]: ...
+
+
+class SchedulerService(Protocol):
+    """What the server asks of the scheduler (``elbowroom.scheduler.loop.Scheduler``);
+    route tests pass fakes with just these."""
+
+    @property
+    def events(self) -> EventLog: ...
+
+    def use(
+        self, model_id: str, *, keep_alive: float | None = None
+    ) -> AbstractAsyncContextManager[Runner]: ...
+
+    async def load(self, model_id: str, *, pin: bool | None = None) -> dict[str, Any]: ...
+
+    async def unload(self, model_id: str, *, reason: str = "explicit") -> dict[str, Any]: ...
+
+    def ps(self) -> list[dict[str, Any]]: ...
+
+    def memory_report(self) -> dict[str, Any]: ...
+
+    def runner(self, model_id: str) -> Runner | None: ...
+
+    async def close(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -24,10 +66,10 @@ class Services:
     """What the app serves with; built in the lifespan (or injected by tests)."""
 
     settings: Settings
-    catalog: Any  # elbowroom.models.catalog.Catalog
-    scheduler: Any  # elbowroom.scheduler.loop.Scheduler
-    monitor: Any = None  # elbowroom.memory.monitor.Monitor
-    guard: Any = None  # elbowroom.guard.guard.PressureGuard
+    catalog: CatalogService
+    scheduler: SchedulerService
+    monitor: Monitor | None = None
+    guard: PressureGuard | None = None
 
 
 def get_services(request: Request) -> Services:
@@ -35,18 +77,6 @@ def get_services(request: Request) -> Services:
     if services is None:  # only between process start and the end of the lifespan startup
         raise Unavailable("the server is still starting; retry in a moment", retry_after=1.0)
     return services
-
-
-def get_settings(request: Request) -> Settings:
-    return get_services(request).settings
-
-
-def get_catalog(request: Request) -> Any:
-    return get_services(request).catalog
-
-
-def get_scheduler(request: Request) -> Any:
-    return get_services(request).scheduler
 
 
 def error_response(err: ElbowroomError) -> JSONResponse:

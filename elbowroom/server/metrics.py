@@ -36,6 +36,8 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from elbowroom.server.deps import CatalogService, Services
+
 log = logging.getLogger("elbowroom.server")
 
 # Paths whose requests are measured, by their endpoint label.
@@ -303,7 +305,7 @@ def kv_hits(kv: Mapping[str, Any]) -> dict[str, int]:
     return {str(t): int(n) for t, n in hits.items() if isinstance(n, int)}
 
 
-async def gather(services: Any) -> ScrapeState:
+async def gather(services: Services | None) -> ScrapeState:
     """Read the services' state for one scrape (runner stats concurrently, bounded)."""
     state = ScrapeState()
     if services is None:
@@ -464,7 +466,7 @@ def model_from_body(peek: bytes) -> str:
     return value
 
 
-def model_label(name: str, catalog: Any) -> str:
+def model_label(name: str, catalog: CatalogService | None) -> str:
     """``name`` as a metric label: the catalog id it is or aliases, else "unknown"."""
     if name == "-":
         return name
@@ -485,7 +487,7 @@ def model_label(name: str, catalog: Any) -> str:
     return "unknown"
 
 
-def _known(catalog: Any, model_id: str) -> bool:
+def _known(catalog: CatalogService, model_id: str) -> bool:
     try:
         catalog.get(model_id)
     except Exception:  # ModelNotFound, or a catalog that cannot answer: not a label

@@ -12,6 +12,7 @@ from typing import Any
 
 from elbowroom.errors import BadRequest, ElbowroomError, ModelNotFound
 from elbowroom.models.spec import ModelKind, ModelSpec
+from elbowroom.server.deps import CatalogService, SchedulerService
 
 TRANSCRIPTION_ALIASES: Mapping[str, tuple[str, ...]] = {
     "whisper-1": ("whisper-tiny.en", "sphinx-en-us"),
@@ -27,7 +28,7 @@ EMBEDDING_ALIASES: Mapping[str, tuple[str, ...]] = {
 
 
 def resolve_model(
-    catalog: Any,
+    catalog: CatalogService,
     requested: str | None,
     kind: ModelKind,
     aliases: Mapping[str, tuple[str, ...]],
@@ -53,7 +54,9 @@ def resolve_model(
     return spec
 
 
-def _alias(catalog: Any, requested: str, aliases: Mapping[str, tuple[str, ...]]) -> ModelSpec:
+def _alias(
+    catalog: CatalogService, requested: str, aliases: Mapping[str, tuple[str, ...]]
+) -> ModelSpec:
     for target in aliases.get(requested, ()):
         try:
             found: ModelSpec = catalog.get(target)
@@ -64,7 +67,11 @@ def _alias(catalog: Any, requested: str, aliases: Mapping[str, tuple[str, ...]])
 
 
 async def run_once(
-    scheduler: Any, model_id: str, keep_alive: float | None, op: str, payload: dict[str, Any]
+    scheduler: SchedulerService,
+    model_id: str,
+    keep_alive: float | None,
+    op: str,
+    payload: dict[str, Any],
 ) -> dict[str, Any]:
     """Run one non-streaming request and return the runner's final result."""
     async with scheduler.use(model_id, keep_alive=keep_alive) as runner:

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from elbowroom.errors import BadRequest, ElbowroomError
 from elbowroom.models.spec import ModelKind, ModelSpec
 from elbowroom.server.deps import get_services, parse_keep_alive
+from elbowroom.server.direct import open_direct
 from elbowroom.server.errors import public_error
 from elbowroom.server.metrics import record_tokens
 from elbowroom.server.schemas import ChatCompletionRequest, CompletionRequest
@@ -23,9 +24,11 @@ from elbowroom.server.sse import (
     ClientGone,
     Generation,
     ManagedStream,
+    abandon,
     gone_response,
-    open_generation,
+    hold_runner,
     sse,
+    start_generation,
     unless_client_leaves,
 )
 
@@ -106,9 +109,31 @@ async def _generate(
     top = body.top_count()
     view = Logprobs(kind, top) if top is not None else None
 
-    generation = await open_generation(services.scheduler, spec.id, keep_alive, kind, payload)
+    runner, stack = await hold_runner(services.scheduler, spec.id, keep_alive)
+    if settings.direct_streams:
+        stream = bool(body.stream)
+        try:
+            direct = await open_direct(
+                runner, stack, spec.id, kind, payload, body.include_usage(), stream
+            )
+        except BaseException as exc:
+            await abandon(stack, exc)
+            raise
+        if direct is not None and stream:
+            return ManagedStream(direct, release=direct.release)
+        if direct is not None:
+            try:
+                answer = await unless_client_leaves(request, direct.answer())
+            except ClientGone:
+                log.info("client went away before its answer: cancelled a request on %s", spec.id)
+                await direct.release()
+                return gone_response()
+            return JSONResponse(answer)
+    generation = await start_generation(runner, stack, kind, payload)
     if body.stream:
-        return ManagedStream(_stream(generation, envelope, body.include_usage(), view))
+        return ManagedStream(
+            _stream(generation, envelope, body.include_usage(), view), release=generation.release
+        )
     try:
         done = await unless_client_leaves(request, _collect(generation))
     except ClientGone:

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -81,6 +81,7 @@ class Generation:
     first: dict[str, Any]
     rest: AsyncIterator[dict[str, Any]]
     _stack: AsyncExitStack
+    _released: bool = False
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
         yield self.first
@@ -89,7 +90,11 @@ class Generation:
 
     async def release(self, exc: BaseException | None = None) -> None:
         """Close the runner's iterator (cancelling its work), then give the model back to the
-        scheduler. Shielded: it runs while the request task is being cancelled."""
+        scheduler. Shielded: it runs while the request task is being cancelled. Only the
+        first call does anything."""
+        if self._released:
+            return
+        self._released = True
         with anyio.CancelScope(shield=True):
             try:
                 if exc is None:
@@ -100,12 +105,33 @@ class Generation:
                 log.exception("error while releasing a runner")
 
 
+async def hold_runner(
+    scheduler: Any, model: str, keep_alive: float | None
+) -> tuple[Any, AsyncExitStack]:
+    """The model's runner, claimed from the scheduler until the returned stack closes."""
+    stack = AsyncExitStack()
+    runner = await stack.enter_async_context(scheduler.use(model, keep_alive=keep_alive))
+    return runner, stack
+
+
+async def abandon(stack: AsyncExitStack, exc: BaseException) -> None:
+    """Give a held runner back after ``exc`` (shielded: it runs while being cancelled)."""
+    with anyio.CancelScope(shield=True):
+        await stack.__aexit__(type(exc), exc, exc.__traceback__)
+
+
 async def open_generation(
     scheduler: Any, model: str, keep_alive: float | None, kind: str, payload: dict[str, Any]
 ) -> Generation:
-    stack = AsyncExitStack()
+    runner, stack = await hold_runner(scheduler, model, keep_alive)
+    return await start_generation(runner, stack, kind, payload)
+
+
+async def start_generation(
+    runner: Any, stack: AsyncExitStack, kind: str, payload: dict[str, Any]
+) -> Generation:
+    """Send the request to the held runner and wait for its first event."""
     try:
-        runner = await stack.enter_async_context(scheduler.use(model, keep_alive=keep_alive))
         rest = runner.request(kind, payload)
         stack.push_async_callback(_aclose, rest)
         first = await rest.__anext__()
@@ -113,8 +139,7 @@ async def open_generation(
         await stack.aclose()
         raise ElbowroomError("the runner ended the request without a result") from None
     except BaseException as exc:
-        with anyio.CancelScope(shield=True):
-            await stack.__aexit__(type(exc), exc, exc.__traceback__)
+        await abandon(stack, exc)
         raise
     return Generation(first, rest, stack)
 
@@ -130,12 +155,22 @@ class ManagedStream(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[bytes]) -> None:
+    def __init__(
+        self,
+        content: AsyncIterator[bytes] | AsyncIterable[bytes],
+        release: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        if not isinstance(content, AsyncIterator):
+            content = aiter(content)
         super().__init__(
             content,
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
         self._content = content
+        # Closing a body iterator that never started runs none of its code: what it holds
+        # is given back by ``release`` too (idempotent), e.g. for a client gone before the
+        # first byte.
+        self._release = release
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -143,3 +178,5 @@ class ManagedStream(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await _aclose(self._content)
+                if self._release is not None:
+                    await self._release()

@@ -45,16 +45,28 @@ def test_chat_non_streaming(server: ServerProcess) -> None:
     assert out.usage.prompt_tokens_details.cached_tokens is not None
 
 
+def _engine_stats(server: ServerProcess) -> dict[str, Any]:
+    (row,) = [r for r in server.ps() if r["id"] == MODEL]
+    stats: dict[str, Any] = row["engine_stats"]
+    return stats
+
+
 def test_chat_streaming_with_usage(server: ServerProcess) -> None:
+    # A system prompt longer than one 64-token cache block, so the repeat has cached tokens.
+    msgs = [{"role": "system", "content": "You answer briefly and kindly. " * 16}, *HI]
+    server.openai().chat.completions.create(model=MODEL, messages=msgs, max_tokens=1)
+    direct_before = _engine_stats(server)["direct_streams"]
     stream = server.openai().chat.completions.create(
         model=MODEL,
-        messages=HI,
+        messages=msgs,
         max_tokens=8,
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
     )
     chunks = list(stream)
+    # Relayed straight from the engine's socket (server/direct.py), not through the pipe.
+    assert _engine_stats(server)["direct_streams"] == direct_before + 1
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text.strip()
@@ -64,9 +76,13 @@ def test_chat_streaming_with_usage(server: ServerProcess) -> None:
     assert len(finish) == 1 and finish[0] in ("stop", "length")
     usage = chunks[-1].usage
     assert chunks[-1].choices == [] and usage is not None and usage.completion_tokens > 0
+    assert {c.model for c in chunks} == {MODEL}  # elbowroom's id, not the engine's file path
+    assert usage.prompt_tokens_details is not None
+    cached = usage.prompt_tokens_details.cached_tokens or 0
+    assert cached > 0 and cached % 64 == 0  # whole cache blocks: the warm-up's prefix
     # Same prompt, greedy, not streamed: the same text.
     again = server.openai().chat.completions.create(
-        model=MODEL, messages=HI, max_tokens=8, temperature=0
+        model=MODEL, messages=msgs, max_tokens=8, temperature=0
     )
     assert again.choices[0].message.content == text
 
@@ -179,10 +195,11 @@ def test_client_disconnect_mid_stream_frees_the_runner(server: ServerProcess) ->
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         assert json.loads(first.removeprefix("data: "))["choices"]
-    # The response is closed: the server must close the runner's request (cancel) ...
+    # The response is closed: the server must close the engine's request (cancel) ...
     wait_for(lambda: "client went away" in server.log(), timeout=30, what="the cancel log")
-    # ... the model goes idle, and the next request is served.
+    # ... the model goes idle, its engine slot is given back, and the next request is served.
     wait_for(lambda: all(m["busy"] == 0 for m in server.ps()), timeout=60, what="idle runner")
+    wait_for(lambda: _engine_stats(server)["slots_busy"] == 0, timeout=30, what="a free slot")
     ok = server.openai().completions.create(model=MODEL, prompt="Hi", max_tokens=2)
     assert ok.choices[0].text is not None
 

@@ -17,7 +17,6 @@ from elbowroom.memory.budget import (
     limit_to_dict,
     memory_limit,
     os_reserve,
-    pressure_level,
     ram_fraction,
     rule_of,
 )
@@ -139,15 +138,15 @@ def test_config_from_settings_and_validation() -> None:
 
 
 def level(s: Snapshot, own: int, cfg: BudgetConfig = CFG) -> Pressure:
-    return pressure_level(s, own, memory_limit(s, own, cfg), cfg)
+    return assess(s, own, memory_limit(s, own, cfg), cfg).level
 
 
 def test_pressure_from_our_usage_against_thresholds() -> None:
     s = snap(16 * GiB, 12 * GiB)
     limit = memory_limit(s, 0, CFG)
-    assert pressure_level(s, int(limit.value * 0.80), limit, CFG) is Pressure.NORMAL
-    assert pressure_level(s, limit.soft, limit, CFG) is Pressure.SOFT
-    assert pressure_level(s, limit.hard, limit, CFG) is Pressure.HARD
+    assert assess(s, int(limit.value * 0.80), limit, CFG).level is Pressure.NORMAL
+    assert assess(s, limit.soft, limit, CFG).level is Pressure.SOFT
+    assert assess(s, limit.hard, limit, CFG).level is Pressure.HARD
 
 
 def test_pressure_from_machine_wide_exhaustion() -> None:

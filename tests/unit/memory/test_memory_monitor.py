@@ -8,10 +8,11 @@ from collections.abc import Iterator
 
 import pytest
 
+from elbowroom.config import Settings
 from elbowroom.memory.budget import BudgetConfig
 from elbowroom.memory.monitor import Monitor, Sample
 from elbowroom.memory.probe import default_probe
-from elbowroom.memory.types import Pressure, Snapshot
+from elbowroom.memory.types import GpuMemory, Pressure, Snapshot
 from elbowroom.units import GiB, MiB
 
 CFG = BudgetConfig()
@@ -148,3 +149,30 @@ def test_monitor_over_the_real_probe() -> None:
     sample = mon.sample_now()
     assert 0 < sample.limit.value <= sample.snapshot.total
     assert sample.limit.soft < sample.limit.hard <= sample.limit.value
+
+
+def test_read_is_fresh_but_neither_recorded_nor_handed_on() -> None:
+    seen: list[Sample] = []
+    mon = Monitor(Readings(12 * GiB), own_usage=lambda: 0, cfg=CFG, on_sample=seen.append)
+    fresh = mon.read()
+    assert mon.latest is None and mon.history() == [] and seen == []
+    # One picture: the sample's limit is its host pool's, the pools come with it.
+    assert fresh.pools[0].name == "host" and fresh.limit == fresh.pools[0].limit
+    mon.subscribe(seen.append)
+    recorded = mon.sample_now()
+    assert seen == [recorded] and mon.latest is recorded
+
+
+def test_from_settings_builds_the_one_budget_config_and_gpu_pools() -> None:
+    settings = Settings(soft_fraction=0.88, override_gpu_memory=8 * GiB)
+    gpu = GpuMemory(0, "Test GPU", 24 * GiB, 20 * GiB, 4 * GiB)
+    snap = Snapshot("linux", 16 * GiB, 12 * GiB, 4 * GiB, 16 * GiB, 12 * GiB, gpus=(gpu,))
+    mon = Monitor.from_settings(
+        settings, lambda: snap, own_usage=lambda: 0, own_gpu=lambda: {0: 1 * GiB}
+    )
+    assert mon.cfg.soft_fraction == 0.88 and mon.interval == settings.monitor_interval
+    sample = mon.read()
+    host, card = sample.pools
+    assert host.limit == sample.limit
+    assert card.name == "gpu0" and card.ours == 1 * GiB and card.total == 8 * GiB
+    assert sample.limit.soft == int(sample.limit.value * 0.88)

@@ -65,7 +65,7 @@ def child(code: str, *args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
         proc.wait(timeout=30)
 
 
-def test_smaps_rollup_split() -> None:
+def test_smaps_rollup_where_status_has_no_split() -> None:
     mem = measure_pid(4242, proc=FIX)
     assert mem.anonymous == 51840 * KiB
     assert mem.file_backed == (147828 - 51840) * KiB
@@ -74,7 +74,7 @@ def test_smaps_rollup_split() -> None:
     assert mem.resident == 147828 * KiB
 
 
-def test_status_fallback_without_smaps_rollup() -> None:
+def test_status_split_read_first() -> None:
     mem = measure_pid(4243, proc=FIX)
     assert mem.anonymous == 223164 * KiB
     assert mem.file_backed == (4224 + 1024) * KiB  # file + shmem

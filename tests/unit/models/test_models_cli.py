@@ -168,8 +168,11 @@ def test_plan_suggests_a_context_that_fits(
     largest = data["context"]["largest_fitting"]
     assert 0 < largest < 8192 and largest % 256 == 0
     assert data["fit"]["shortfall"] > 0
-    assert f"use --ctx {largest} (the largest context that fits)" in data["suggestions"]
-    assert any("--kv-type q8_0" in tip for tip in data["suggestions"])
+    # The server's 507 suggestions, word for word (scheduler.policy.refuse).
+    assert data["suggestions"] == [
+        f"set --ctx {largest} (context 8192 does not fit)",
+        "set --kv-type q8_0 (about halves the KV cache)",
+    ]
 
 
 def test_plan_resident_model(data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:

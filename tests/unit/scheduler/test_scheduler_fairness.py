@@ -51,7 +51,7 @@ def test_one_key_holds_at_most_its_share_of_the_queue() -> None:
             await as_client("key-3", request(h, "a"))
         gate.set()
         assert await asyncio.gather(running, *mine, *theirs) == ["ok"] * 5
-        lane = h.sched._lanes["a"]
+        lane = h.sched.lanes.lane("a")
         assert lane.waiting == 0 and lane.waiting_by == {}
 
     run(scenario())
@@ -75,13 +75,13 @@ def test_the_server_s_own_bytes_count_against_the_load_ceiling() -> None:
     async def scenario() -> None:
         # 680 MiB ceiling: a 300 MiB model fits beside 300 MiB of server, not beside 400.
         h = harness(A)
-        h.sched._server_usage = lambda: 300 * MiB
+        h.sched.residency.server_usage = lambda: 300 * MiB
         assert await request(h, "a") == "ok"
         report = h.sched.memory_report()
         assert report["server_usage"] == 300 * MiB
         assert report["available"] == report["ceiling"] - report["committed"] - 300 * MiB
         await h.sched.unload("a")
-        h.sched._server_usage = lambda: 400 * MiB
+        h.sched.residency.server_usage = lambda: 400 * MiB
         with pytest.raises(InsufficientMemory) as err:
             await request(h, "a")
         details = err.value.details

@@ -1,8 +1,7 @@
-"""policy.decide / expired / relieve: every rule, no processes, no clock."""
+"""policy.decide / expired: every rule, no processes, no clock."""
 
 from __future__ import annotations
 
-from elbowroom.memory.types import Pressure
 from elbowroom.models.spec import Holding, ModelKind
 from elbowroom.scheduler.policy import (
     Admit,
@@ -15,7 +14,6 @@ from elbowroom.scheduler.policy import (
     Wait,
     decide,
     expired,
-    relieve,
 )
 from elbowroom.units import MiB
 
@@ -232,37 +230,3 @@ def test_expired_lists_idle_unpinned_models_past_their_keep_alive() -> None:
     )
     assert expired(s, now=10) == ["due-earlier", "due"]
     assert expired(s, now=4) == []
-
-
-# --- relieve
-
-
-def relief_state() -> State:
-    return state(
-        1000,
-        m("a", 100, last_used=1),
-        m("b", 200, last_used=2),
-        m("c", 300, last_used=3),
-        m("busy", 300, last_used=0, busy=1),
-        m("pinned", 300, last_used=0, pinned=True),
-    )
-
-
-def test_relieve_nothing_without_pressure() -> None:
-    assert relieve(relief_state(), Pressure.NORMAL, excess=10**9) == []
-
-
-def test_relieve_soft_frees_the_excess_lru_first() -> None:
-    assert relieve(relief_state(), Pressure.SOFT, excess=250 * MiB) == ["a", "b"]
-
-
-def test_relieve_soft_without_our_excess_unloads_one_lru_model() -> None:
-    assert relieve(relief_state(), Pressure.SOFT, excess=0) == ["a"]
-
-
-def test_relieve_soft_takes_every_candidate_if_the_excess_is_larger() -> None:
-    assert relieve(relief_state(), Pressure.SOFT, excess=10**12) == ["a", "b", "c"]
-
-
-def test_relieve_hard_unloads_every_idle_unpinned_model() -> None:
-    assert relieve(relief_state(), Pressure.HARD, excess=1) == ["a", "b", "c"]

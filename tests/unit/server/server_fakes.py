@@ -15,26 +15,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bundled_models import SMOLLM2_INFO
+
 from elbowroom.config import Settings
 from elbowroom.errors import ElbowroomError, ModelNotFound
-from elbowroom.models.spec import GGUFInfo, Holding, ModelKind, ModelSpec
+from elbowroom.models.spec import Holding, ModelKind, ModelSpec
 from elbowroom.server.deps import Services
 
-# Enough GGUF facts for the routes' checks (logit_bias ids against the vocabulary).
-SMOL_GGUF = GGUFInfo(
-    architecture="llama",
-    name="SmolLM2 135M",
-    n_layers=30,
-    n_heads=9,
-    n_kv_heads=3,
-    head_dim_k=64,
-    head_dim_v=64,
-    n_embd=576,
-    trained_ctx=8192,
-    file_type="Q4_1",
-    has_chat_template=True,
-    n_vocab=49152,
-)
+# The real model's GGUF facts: the routes check logit_bias ids against its vocabulary.
+SMOL_GGUF = SMOLLM2_INFO
 
 
 def spec(model_id: str, kind: ModelKind = ModelKind.LLM, engine: str = "llama") -> ModelSpec:

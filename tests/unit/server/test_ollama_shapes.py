@@ -4,13 +4,15 @@ model views (tags, show, ps)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from bundled_models import SMOLLM2_INFO
 from server_fakes import spec
 
 from elbowroom.errors import BadRequest, InsufficientMemory
-from elbowroom.models.spec import GGUFInfo, Holding, ModelKind, ModelSpec
+from elbowroom.models.spec import Holding, ModelKind, ModelSpec
 from elbowroom.server import ollama_models as views
 from elbowroom.server import ollama_shapes as shapes
 
@@ -168,19 +170,8 @@ def test_responses_tool_calls_durations_and_errors() -> None:
 def test_model_views_from_gguf_metadata(tmp_path: Path) -> None:
     weights = tmp_path / "m.gguf"
     weights.write_bytes(b"GGUF")
-    info = GGUFInfo(
-        architecture="llama",
-        name="Tiny",
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim_k=8,
-        head_dim_v=8,
-        n_embd=32,
-        trained_ctx=2048,
-        file_type="Q8_0",
-        has_chat_template=True,
-        n_params=134_515_008,
+    info = replace(
+        SMOLLM2_INFO, name="Tiny", trained_ctx=2048, file_type="Q8_0", n_params=134_515_008
     )
     llm = ModelSpec("tiny", ModelKind.LLM, "llama", weights, 4, Holding.MMAP, "path", gguf=info)
     tag = views.tag(llm)

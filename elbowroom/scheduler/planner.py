@@ -1,0 +1,43 @@
+"""One load decision as the scheduler makes it and `elbowroom plan` shows it.
+
+Size the load (``sizing.plan_load``), place it on the GPUs (``offload_plan.place_on_gpus``)
+and ask the policy (``policy.decide``), all over a ``policy.State`` built from a memory
+sample by ``budget_state``. The CLI calls the same functions with no models loaded, so
+`plan` and the server cannot disagree. Pure given its inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from elbowroom.config import Settings
+from elbowroom.memory.pools import Pool
+from elbowroom.models.spec import ModelSpec
+from elbowroom.scheduler import offload_plan, policy
+from elbowroom.scheduler.inputs import Estimator, Measurements
+from elbowroom.scheduler.sizing import Plan, plan_load
+
+__all__ = ["budget_state", "plan_and_decide"]
+
+
+def budget_state(
+    models: Sequence[policy.ModelState], ceiling: int, pools: Sequence[Pool], server: int
+) -> policy.State:
+    """The policy's picture: ``models`` against the load ``ceiling`` less the server
+    process's own bytes (they fill the same budget), and each GPU pool's ceiling."""
+    gpu_limits = {p.name: p.ceiling for p in pools if p.kind == "gpu"}
+    return policy.State(tuple(models), max(0, ceiling - server), gpu_limits)
+
+
+def plan_and_decide(
+    spec: ModelSpec,
+    settings: Settings,
+    state: policy.State,
+    pools: Sequence[Pool],
+    estimate: Estimator,
+    measured: Measurements | None,
+) -> tuple[Plan, policy.Decision]:
+    """The sized and placed plan for loading ``spec`` now, and what the policy says."""
+    plan = plan_load(spec, settings, state, estimate, measured)
+    plan = offload_plan.place_on_gpus(plan, spec, settings, state, pools)
+    return plan, policy.decide(state, plan.request)

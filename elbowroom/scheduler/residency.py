@@ -1,0 +1,452 @@
+"""Residency: which models are loaded, and making room for the next one.
+
+The one owner of the ``Loaded`` records: starting a runner (one load at a time machine-wide,
+``_load_lock``: two loads sized against the same free memory would both fit on paper and
+not in RAM), making room for it (size, place, ask ``policy.decide``, evict, wait for busy
+models or refuse with a 507), stopping runners (eviction, keep-alive, explicit unload,
+pressure), noticing runners that died, and the memory picture its decisions use: a fresh
+sample from the monitor under the load lock, and ``own_usage()`` (the one definition of
+our bytes) for the monitor in turn. After an eviction the next decision waits until the
+freed memory actually shows up in the probe.
+
+Everything runs on one asyncio event loop, so the records need no locks: a decision and
+the bookkeeping that applies it happen with no ``await`` in between (a model chosen for
+eviction is marked STOPPING before anything else can run). Only ``on_exit`` (runner
+threads) and ``own_usage``/``gpu_usage`` (the monitor's thread) are called from elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from elbowroom.config import Settings
+from elbowroom.errors import EngineError, InsufficientMemory, MemoryPressure, RunnerCrashed
+from elbowroom.memory.monitor import Monitor, Sample
+from elbowroom.memory.types import Probe, Snapshot
+from elbowroom.models.spec import Holding, ModelSpec
+from elbowroom.runtime.protocol import Runner, RunnerFactory
+from elbowroom.scheduler import offload_plan, policy
+from elbowroom.scheduler.events import EventLog
+from elbowroom.scheduler.inputs import Estimator, Measurements
+from elbowroom.scheduler.lanes import Lanes
+from elbowroom.scheduler.planner import budget_state, plan_and_decide
+from elbowroom.scheduler.records import Lane, Loaded, Phase
+from elbowroom.scheduler.refusal import insufficient_memory
+from elbowroom.scheduler.settle import POLL, Settle, Sleep
+from elbowroom.scheduler.sizing import Plan, start_options
+from elbowroom.units import format_size
+
+__all__ = ["Residency"]
+
+log = logging.getLogger("elbowroom.scheduler")
+
+
+class Residency:
+    def __init__(
+        self,
+        settings: Settings,
+        lanes: Lanes,
+        *,
+        probe: Probe,
+        runner_factory: RunnerFactory,
+        measured: Measurements | None,
+        clock: Callable[[], float],
+        sleep: Sleep,
+        estimator: Estimator,
+        events: EventLog,
+        counters: dict[str, int],
+        server_usage: Callable[[], int],
+    ) -> None:
+        self.settings = settings
+        self._lanes = lanes
+        self._probe = probe
+        self._factory = runner_factory
+        self._measured = measured
+        self._clock = clock
+        self._sleep = sleep
+        self._estimate = estimator
+        self.events = events
+        self.counters = counters
+        # The server process's own anonymous bytes: ours, and against the load ceiling.
+        self.server_usage = server_usage
+        self.last_server = 0  # the server bytes the last decision left out
+        self._last: Sample | None = None  # the memory picture at the last decision
+        self.monitor = Monitor.from_settings(
+            settings, probe, own_usage=self.own_usage, own_gpu=self.gpu_usage, clock=clock
+        )
+        self.loaded: dict[str, Loaded] = {}
+        self.pins: set[str] = set(settings.pin)
+        self.loads_paused = False  # set by the pressure guard (Scheduler.pause_loads)
+        self._load_lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
+
+    def bind_loop(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._loop_thread = threading.get_ident()
+
+    async def close(self) -> None:
+        """Cancel loads in progress, stop every runner and the stops started on release."""
+        loads = [lane.load_task for lane in self._lanes if lane.load_task is not None]
+        for task in loads:
+            task.cancel()
+        await asyncio.gather(*loads, return_exceptions=True)
+        stops = [self.begin_stop(rec, "close") for rec in list(self.loaded.values())]
+        await asyncio.gather(*stops, return_exceptions=True)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # ------------------------------------------------------------------ keep-alive
+
+    def release(
+        self, rec: Loaded, lane: Lane, keep_alive: float | None, started: float, crashed: bool
+    ) -> None:
+        """A request on ``rec`` ended: note its time, reset the crash streak unless it
+        crashed, set the keep-alive expiry, and stop the runner when nothing wants it and an
+        unload was asked for meanwhile or ``keep_alive`` is 0."""
+        now = self._clock()
+        lane.note_duration(now - started)
+        if self.loaded.get(rec.spec.id) is not rec:
+            return  # crashed or unloaded meanwhile
+        rec.last_used = now
+        rec.last_used_wall = time.time()
+        if not crashed:
+            lane.crash_streak = 0
+        keep = keep_alive if keep_alive is not None else self.default_keep_alive(rec.spec)
+        rec.expires_at = self.expiry(rec, keep, now)
+        wanted = rec.busy > 0 or lane.claims > 0 or lane.waiting > 0
+        if not wanted and rec.unload_when_idle is not None:
+            self._spawn(self.begin_stop(rec, rec.unload_when_idle))
+        elif not wanted and not rec.pinned and keep == 0:
+            self._spawn(self.begin_stop(rec, "keep_alive"))
+
+    def expiry(self, rec: Loaded, keep: float, now: float) -> float | None:
+        if rec.pinned or keep < 0 or math.isinf(keep):
+            return None
+        return now + keep
+
+    def default_keep_alive(self, spec: ModelSpec) -> float:
+        if spec.holding is Holding.RESIDENT:
+            return self.settings.resident_idle
+        return self.settings.keep_alive
+
+    # ------------------------------------------------------------------ loading
+
+    async def ensure_loaded(self, spec: ModelSpec, lane: Lane) -> Loaded:
+        while True:
+            rec = self.loaded.get(spec.id)
+            if rec is not None and rec.phase is Phase.READY:
+                return rec
+            if rec is not None and rec.phase is Phase.STOPPING:
+                await rec.stopped.wait()
+                continue
+            if lane.load_task is None:
+                self._lanes.check_backoff(spec.id, lane)
+                task = asyncio.create_task(self._load(spec, lane), name=f"load-{spec.id}")
+                task.add_done_callback(retrieve)
+                lane.load_task = task
+            # Shielded: a client that gives up must not abort a load others wait for.
+            await asyncio.shield(lane.load_task)
+
+    async def _load(self, spec: ModelSpec, lane: Lane) -> Loaded:
+        try:
+            async with self._load_lock:
+                plan = await self._make_room(spec)
+                return await self._start_runner(spec, lane, plan)
+        finally:
+            lane.load_task = None
+
+    async def _make_room(self, spec: ModelSpec) -> Plan:
+        """Evict or wait until ``spec`` fits; raise InsufficientMemory when it never will."""
+        wait_deadline: float | None = None
+        await self._wait_unpaused(spec.id)
+        while True:
+            await self.drain_stops()
+            sample, state, plan, decision = self.consider(spec)
+            if isinstance(decision, policy.Admit):
+                return plan
+            if isinstance(decision, policy.Refuse):
+                raise self._refusal(decision)
+            if isinstance(decision, policy.Evict):
+                await self._evict(decision, sample.snapshot, for_model=spec.id)
+                continue
+            now = self._clock()
+            if wait_deadline is None:
+                wait_deadline = now + self.settings.load_timeout
+                log.info("load of %s waits for busy model(s) %s", spec.id, decision.busy)
+            if now >= wait_deadline:
+                raise self._refusal(policy.refuse(state, plan.request))
+            await self._sleep(POLL)
+
+    def consider(self, spec: ModelSpec) -> tuple[Sample, policy.State, Plan, policy.Decision]:
+        """A fresh memory picture and what a load of ``spec`` would meet in it now: the
+        plan and the policy's decision, with nothing acted on."""
+        sample = self.observe()
+        state = self.state()
+        plan, decision = plan_and_decide(
+            spec, self.settings, state, sample.pools, self._estimate, self._measured
+        )
+        return sample, state, plan, decision
+
+    async def _wait_unpaused(self, model_id: str) -> None:
+        if not self.loads_paused:
+            return
+        log.info("load of %s waits: loads are paused under memory pressure", model_id)
+        deadline = self._clock() + self.settings.load_timeout
+        while self.loads_paused:
+            if self._clock() >= deadline:
+                self.counters["refusals_503"] += 1
+                raise MemoryPressure(
+                    f"cannot load {model_id!r} now: loads are paused under memory pressure",
+                    retry_after=10.0,
+                )
+            await self._sleep(POLL)
+
+    async def _start_runner(self, spec: ModelSpec, lane: Lane, plan: Plan) -> Loaded:
+        runner = self._factory(spec, self.on_exit)
+        rec = Loaded(
+            spec=spec,
+            runner=runner,
+            predicted=plan.request.needed,
+            reserved=plan.footprint.working + plan.cache_grant,
+            n_ctx=plan.n_ctx,
+            kv_type=plan.kv_type,
+            slots=plan.slots,
+            pinned=spec.id in self.pins,
+            placement=plan.placement,
+        )
+        self.loaded[spec.id] = rec  # its predicted bytes are now a reservation
+        try:
+            info = await runner.start(start_options(self.settings, plan))
+        except BaseException as exc:
+            self.forget(rec)
+            self.counters["load_failures"] += 1
+            if isinstance(exc, RunnerCrashed | EngineError):
+                self._lanes.note_crash(lane, str(exc))
+            log.error("load of %s failed: %s", spec.id, exc)
+            self.events.add("load_failed", spec.id, f"load of {spec.id} failed: {exc}")
+            if isinstance(exc, asyncio.CancelledError):
+                with contextlib.suppress(Exception):
+                    await runner.stop(self.settings.stop_grace)
+            raise
+        now = self._clock()
+        rec.ready = info
+        rec.phase = Phase.READY
+        rec.last_used, rec.last_used_wall = now, time.time()
+        rec.expires_at = self.expiry(rec, self.default_keep_alive(spec), now)
+        self.counters["loads"] += 1
+        if lane.crash_streak > 0:
+            lane.restarts += 1
+            self.counters["restarts"] += 1
+        if self._measured is not None:
+            self._measured.record(spec, plan.n_ctx, plan.slots, plan.kv_type, info.measured)
+        self.events.add(
+            "load",
+            spec.id,
+            f"loaded {spec.id} in {info.load_seconds:.1f} s "
+            f"({format_size(info.measured.resident)})",
+            bytes=info.measured.resident,
+        )
+        log.info(
+            "loaded %s (pid %s) in %.2f s: predicted %s, measured %s "
+            "(anonymous %s, file-backed %s), n_ctx %s",
+            spec.id,
+            info.pid,
+            info.load_seconds,
+            format_size(plan.footprint.total),
+            format_size(info.measured.resident),
+            format_size(info.measured.anonymous),
+            format_size(info.measured.file_backed),
+            plan.n_ctx or "-",
+        )
+        return rec
+
+    def _refusal(self, refusal: policy.Refuse) -> InsufficientMemory:
+        self.counters["refusals_507"] += 1
+        limit = self._last.limit if self._last is not None else None
+        return insufficient_memory(refusal, self.last_server, limit)
+
+    # ------------------------------------------------------------------ unloading
+
+    async def _evict(self, decision: policy.Evict, before: Snapshot, *, for_model: str) -> None:
+        expected = 0
+        stops = []
+        for model_id in decision.ids:
+            rec = self.loaded[model_id]
+            mem = rec.measure() or (rec.ready.measured if rec.ready else None)
+            expected += mem.anonymous if mem is not None else 0
+            log.info(
+                "evicting %s (%s, last used %.0f s ago) to load %s",
+                model_id,
+                format_size(rec.held_bytes()),
+                self._clock() - rec.last_used,
+                for_model,
+            )
+            stops.append(self.begin_stop(rec, "load"))
+        gpu_expected = offload_plan.gpu_usage(
+            [self._model_pools(self.loaded[i]) for i in decision.ids if i in self.loaded]
+        )
+        await asyncio.gather(*stops)
+        waiter = Settle(self._probe, self._clock, self._sleep, self.settings.unload_settle_timeout)
+        await waiter.host(before.available, expected)
+        await waiter.gpus(before, gpu_expected)
+
+    def begin_stop(self, rec: Loaded, reason: str) -> asyncio.Task[None]:
+        """Mark ``rec`` STOPPING now (no await: nothing can pick it meanwhile) and stop it
+        in a task; idempotent."""
+        if rec.stop_task is None:
+            self._remember_use(rec)
+            freed = rec.held_bytes()
+            rec.phase = Phase.STOPPING
+            rec.stop_task = asyncio.create_task(self._stop(rec, reason, freed))
+            rec.stop_task.add_done_callback(retrieve)
+        return rec.stop_task
+
+    def _remember_use(self, rec: Loaded) -> None:
+        """Record what the runner holds after serving: resident engines grow well past their
+        just-loaded size on the first request (whisper: ~93 -> ~217 MiB), and the store keeps
+        the larger value, so the next prediction for this model is what it really used.
+        An LLM is not recorded here: what it grew into is its prompt cache, a grant, not its
+        own footprint (recorded at load; docs/models.md)."""
+        if self._measured is None or rec.ready is None or rec.spec.gguf is not None:
+            return
+        mem = rec.measure()
+        if mem is not None and mem.resident > 0:
+            self._measured.record(rec.spec, rec.n_ctx, rec.slots, rec.kv_type, mem)
+
+    async def _stop(self, rec: Loaded, reason: str, freed: int) -> None:
+        try:
+            await rec.runner.stop(self.settings.stop_grace)
+        except Exception as exc:
+            log.error("stopping %s failed: %s", rec.spec.id, exc)
+        finally:
+            self.forget(rec)
+            self.counters["unloads"] += 1
+            key = f"evictions_{reason}"
+            if key in self.counters:
+                self.counters[key] += 1
+            log.info("unloaded %s (%s): freed %s", rec.spec.id, reason, format_size(freed))
+            self.events.add(
+                "evict" if reason in ("load", "pressure") else "unload",
+                rec.spec.id,
+                f"unloaded {rec.spec.id} ({reason}): freed {format_size(freed)}",
+                reason=reason,
+                freed=freed,
+            )
+
+    async def drain_stops(self) -> None:
+        stops = [r.stop_task for r in self.loaded.values() if r.stop_task is not None]
+        await asyncio.gather(*stops, return_exceptions=True)
+
+    def forget(self, rec: Loaded) -> None:
+        if self.loaded.get(rec.spec.id) is rec:
+            del self.loaded[rec.spec.id]
+        rec.stopped.set()
+
+    def on_exit(self, runner: Runner, cause: str) -> None:
+        """The runner's process exited on its own (crash, OOM kill, kill -9)."""
+        loop = self._loop
+        if loop is not None and threading.get_ident() != self._loop_thread:
+            loop.call_soon_threadsafe(self.on_exit, runner, cause)
+            return
+        rec = self.loaded.get(runner.spec.id)
+        # A stop we asked for, or a load that failed (start() raises), is handled there.
+        if rec is None or rec.runner is not runner or rec.phase is not Phase.READY:
+            return
+        self.forget(rec)
+        lane = self._lanes.lane(rec.spec.id)
+        self._lanes.note_crash(lane, cause)
+        self.counters["crashes"] += 1
+        self.events.add("crash", rec.spec.id, f"runner of {rec.spec.id} exited: {cause}")
+        log.warning(
+            "runner of %s (pid %s) exited: %s; %d in flight fail; restart %s",
+            rec.spec.id,
+            rec.ready.pid if rec.ready is not None else "?",
+            cause,
+            rec.busy,
+            "on next request"
+            if lane.backoff_until <= self._clock()
+            else f"in {lane.backoff_until - self._clock():.0f} s",
+        )
+
+    # ------------------------------------------------------------------ memory picture
+
+    def observe(self) -> Sample:
+        """A fresh memory picture from the monitor; the policy's limits follow it."""
+        self.last_server = self.server_usage()
+        self._last = self.monitor.read()
+        return self._last
+
+    def own_usage(self) -> int:
+        """Bytes that are ours: what our runners hold now plus the server process's own
+        anonymous bytes. The one definition; the monitor samples it (from its thread, so
+        the records are copied before they are read)."""
+        total = self.server_usage()
+        for rec in list(self.loaded.values()):
+            mem = rec.measure()
+            total += mem.resident if mem is not None else 0
+        return total
+
+    def gpu_usage(self) -> dict[int, int]:
+        """Our bytes per GPU index (for the monitor's GPU pools)."""
+        return offload_plan.gpu_usage([self._model_pools(r) for r in list(self.loaded.values())])
+
+    def _model_pools(self, rec: Loaded) -> dict[str, int]:
+        """Bytes ``rec`` holds per GPU pool: predicted while loading, then rescaled to what
+        NVML measures for its process."""
+        mem = rec.measure() if rec.phase is Phase.READY else None
+        return offload_plan.model_pools(rec.placement, mem.gpu if mem is not None else None)
+
+    def state(self) -> policy.State:
+        """The policy's picture. ``State.limit`` is always the load ceiling of the last
+        observation less the server process's own bytes: loads are admitted up to the
+        ceiling, below the soft threshold (a load that filled the budget would start a
+        pressure episode as soon as caches and contexts grow a little), and the server's
+        bytes (request bodies, Python) fill the same budget. 0 before any observation."""
+        models = []
+        for rec in self.loaded.values():
+            claims = self._lanes.claims(rec.spec.id)
+            models.append(
+                policy.ModelState(
+                    id=rec.spec.id,
+                    kind=rec.spec.kind,
+                    holding=rec.spec.holding,
+                    bytes=rec.held_bytes(),
+                    pinned=rec.pinned,
+                    busy=rec.busy + claims,
+                    last_used=rec.last_used,
+                    expires_at=rec.expires_at,
+                    # Stopping models still hold their bytes and cannot be chosen again.
+                    loading=rec.phase is not Phase.READY,
+                    pools=self._model_pools(rec),
+                )
+            )
+        last = self._last
+        if last is None:
+            return policy.State(tuple(models), 0)
+        return budget_state(models, last.limit.ceiling, last.pools, self.last_server)
+
+    def _spawn(self, awaitable: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(awaitable)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def no_server_bytes() -> int:
+    return 0
+
+
+def retrieve(task: asyncio.Task[Any]) -> None:
+    """Mark a background task's exception as seen: its awaiters (if any) got it already."""
+    if not task.cancelled():
+        task.exception()
