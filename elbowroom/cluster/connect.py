@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from elbowroom.cluster.agent import NodeAgent
 from elbowroom.cluster.remote import Node, Reading, _ray_errors
@@ -24,6 +24,8 @@ from elbowroom.errors import ElbowroomError
 from elbowroom.scheduler.events import EventLog
 
 if TYPE_CHECKING:
+    from elbowroom.guard.guard import PressureGuard
+    from elbowroom.memory.monitor import Monitor
     from elbowroom.server.deps import Services
 
 log = logging.getLogger("elbowroom.cluster")
@@ -158,8 +160,6 @@ class ClusterServices:
     async def _services_for(self, node: Node) -> NodeEntry:
         from elbowroom.guard.adapter import SchedulerTarget
         from elbowroom.guard.guard import PressureGuard
-        from elbowroom.memory.budget import BudgetConfig
-        from elbowroom.memory.monitor import Monitor
         from elbowroom.scheduler.loop import Scheduler
 
         # Preloads and pins are placed by the router, not loaded on every node.
@@ -173,15 +173,11 @@ class ClusterServices:
             server_usage=node.agent_bytes,
             events=self.events,
         )
+        # The node scheduler's monitor samples that node's reading (its own usage: the
+        # node's runners as the node measured them, plus the agent).
         guard = PressureGuard(SchedulerTarget(scheduler), enabled=self.settings.memory_guard)
-        monitor = Monitor(
-            node.snapshot,
-            own_usage=node.runners_bytes,
-            cfg=BudgetConfig.from_settings(per_node),
-            interval=self.settings.monitor_interval,
-            history_seconds=self.settings.monitor_history,
-            on_sample=guard.on_sample,
-        )
+        monitor = scheduler.monitor
+        monitor.subscribe(guard.on_sample)
         await guard.start()
         monitor.start()
         return NodeEntry(node, scheduler, guard=guard, monitor=monitor)
@@ -219,9 +215,11 @@ async def start_cluster(settings: Settings, catalog: Any, measured: Any) -> Serv
     cluster = ClusterServices(settings, catalog, measured)
     try:
         router = await cluster.build()
-        services = Services(
-            settings, catalog, router, monitor=ClusterMonitor(router), guard=ClusterGuard(router)
-        )
+        # The views have the monitor's and the guard's surface the server reads (duck
+        # types over every node's own monitor and guard), not their classes.
+        monitor = cast("Monitor", ClusterMonitor(router))
+        guard = cast("PressureGuard", ClusterGuard(router))
+        services = Services(settings, catalog, router, monitor=monitor, guard=guard)
         for model_id in settings.pin:
             try:
                 await router.load(model_id, pin=True)

@@ -110,6 +110,10 @@ class Node:
 class RemoteRunner:
     """A model's runner on another node, through that node's agent."""
 
+    # The engine's private socket is on that node: streams take the runner's own path,
+    # relayed by the agent (server/direct.py serves only runners it can reach).
+    direct_streams = False
+
     def __init__(self, spec: ModelSpec, on_exit: ExitCallback, *, node: Node) -> None:
         self.spec = spec
         self.node = node

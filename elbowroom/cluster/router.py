@@ -339,10 +339,12 @@ class ClusterScheduler:
         return cluster_pressure({e.node.name: e.level() for e in self.live()}).to_dict()
 
     def memory_report(self) -> dict[str, Any]:
-        """The sum over live nodes in the single-machine shape (so `ps`' summary reads it),
-        the cluster's pressure (the worst node's) and every node's own report."""
+        """The worst node's report in the single-machine shape (what the dashboard, the
+        metrics and `ps` read: the cluster is as pressed as that node), plus ``cluster``,
+        ``cluster_pressure``, ``totals`` over the live nodes and every node's own report."""
         nodes = []
-        sums = {"committed": 0, "available": 0, "ceiling": 0, "limit": 0}
+        totals = {"committed": 0, "available": 0, "ceiling": 0, "limit": 0}
+        worst: tuple[int, str, dict[str, Any]] | None = None
         for e in self.nodes.values():
             row: dict[str, Any] = {"id": e.node.id, "name": e.node.name, "alive": e.node.alive}
             if e.node.alive:
@@ -353,19 +355,22 @@ class ClusterScheduler:
                 else:
                     row.update(report)
                     for k in ("committed", "available", "ceiling"):
-                        sums[k] += int(report[k])
-                    sums["limit"] += int(report["limit"]["value"])
+                        totals[k] += int(report[k])
+                    totals["limit"] += int(report["limit"]["value"])
                     row["models"] = [r["id"] for r in e.scheduler.ps()]
+                    rank = (int(e.level()), e.node.name, report)
+                    if worst is None or rank[:2] > worst[:2]:
+                        worst = rank
             nodes.append(row)
         pressure = self.pressure()
-        return {
-            "cluster": True,
-            "limit": {"value": sums["limit"], "rule": "cluster", "why": "sum of the nodes"},
-            "ceiling": sums["ceiling"],
-            "committed": sums["committed"],
-            "available": sums["available"],
-            "pressure": pressure["level"],
-            "cluster_pressure": pressure,
-            "loads_paused": any(e.scheduler.loads_paused for e in self.live()),
-            "nodes": nodes,
-        }
+        out: dict[str, Any] = dict(worst[2]) if worst is not None else {}
+        out.update(
+            cluster=True,
+            worst_node=worst[1] if worst is not None else None,
+            pressure=pressure["level"],
+            cluster_pressure=pressure,
+            totals=totals,
+            loads_paused=any(e.scheduler.loads_paused for e in self.live()),
+            nodes=nodes,
+        )
+        return out

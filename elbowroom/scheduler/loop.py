@@ -253,12 +253,8 @@ class Scheduler:
     def preview(self, model_id: str) -> tuple[policy.Decision, policy.LoadRequest]:
         """What a load of ``model_id`` would meet here now, without acting on it: the
         cluster (elbowroom.cluster) compares its nodes' answers to place a model."""
-        spec = self._catalog.get(model_id)
-        _, limit = self._observe()
-        state = self._state(limit.ceiling - self._server_usage())
-        plan = plan_load(spec, self.settings, state, self._estimate, self._measured)
-        plan = offload_plan.place_on_gpus(plan, spec, self.settings, state, self._pools)
-        return policy.decide(state, plan.request), plan.request
+        _, _, plan, decision = self.residency.consider(self._catalog.get(model_id))
+        return decision, plan.request
 
     def pause_loads(self, paused: bool) -> None:
         """The pressure guard pauses new loads under soft pressure; a load waits for the
