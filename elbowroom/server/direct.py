@@ -37,8 +37,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import anyio
 
-from elbowroom.engines.llama import HARD, translate_error
+from elbowroom.engines.llama import translate_error
 from elbowroom.errors import ElbowroomError, EngineError, MemoryPressure, RunnerCrashed
+from elbowroom.memory.types import Pressure
 from elbowroom.server.errors import public_error
 from elbowroom.server.metrics import record_tokens
 from elbowroom.server.sse import DONE, sse
@@ -243,7 +244,7 @@ class DirectStream:
                 log.debug("closing direct stream %s: %s", self.ticket.get("ticket"), exc)
 
     def on_pressure(self, level: int) -> None:
-        if level >= HARD and not self.finished and self.aborted is None:
+        if level >= Pressure.HARD and not self.finished and self.aborted is None:
             self.aborted = "pressure"
             self.disconnect()
 
