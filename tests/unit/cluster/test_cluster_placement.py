@@ -140,3 +140,17 @@ def test_cluster_pressure_is_the_worst_node() -> None:
 @pytest.mark.parametrize("level", list(Pressure))
 def test_cluster_pressure_follows_one_node(level: Pressure) -> None:
     assert cluster_pressure({"a": Pressure.NORMAL, "b": level}).level is level
+
+
+def test_one_machine_never_imports_ray() -> None:
+    """Without --cluster nothing imports Ray (an optional extra), even with it installed."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, elbowroom.cli, elbowroom.server.app, elbowroom.config as c;"
+        "c.load_settings(environ={});"
+        "import elbowroom.cluster.placement, elbowroom.cluster.split, elbowroom.cluster.rpc;"
+        "assert 'ray' not in sys.modules, 'ray was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
