@@ -255,10 +255,10 @@ def test_serve_cluster_answers_openai_and_shows_nodes(cluster: Any, server_facto
     assert server.stop() == 0
 
 
-def test_node_killed_mid_stream_fails_fast_then_model_is_replaced_and_served(
+def test_node_killed_mid_stream_fails_fast_then_model_is_replaced_and_a_new_node_used(
     cluster: Any,
 ) -> None:
-    """Runs last: it removes node B from the module's cluster."""
+    """Runs last: it removes node B from the module's cluster and adds a node C."""
     from elbowroom.cluster.connect import ClusterServices
 
     async def main() -> None:
@@ -291,6 +291,23 @@ def test_node_killed_mid_stream_fails_fast_then_model_is_replaced_and_served(
             assert again["node"].endswith(cluster.named["a"].node_id[:6])
             gone = [n for n in router.memory_report()["nodes"] if not n["alive"]]
             assert [n["name"] for n in gone] == [row["node"]]
+            # A node that joins is used: C (1 GiB) is now the best fit for the next load.
+            joined = cluster.add_node(
+                num_cpus=1,
+                object_store_memory=80 * MiB,
+                include_dashboard=False,
+                env_vars={"ELBOWROOM_OVERRIDE_MEMORY": "1GiB"},
+            )
+            tail = joined.node_id[:6]
+            await wait_for(
+                lambda: any(e.node.name.endswith(tail) for e in router.live()),
+                60,
+                "the joined node to be used",
+            )
+            await router.unload(SMOLLM2)
+            await complete(router)
+            (moved,) = router.ps()
+            assert moved["node"].endswith(tail), moved
         finally:
             await router.close()
 
