@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -219,16 +220,21 @@ def test_a_client_that_leaves_mid_stream_frees_the_remote_slot(cluster: Any) -> 
     asyncio.run(main())
 
 
-def test_serve_cluster_answers_openai_and_shows_nodes(cluster: Any, server_factory: Any) -> None:
-    """The real server joined to the cluster (`serve --cluster ADDRESS`), the official
-    client; /api/memory and ps show the nodes and where the model runs."""
-    server = server_factory(
+@pytest.fixture(scope="module")
+def cluster_server(cluster: Any, server_factory: Any) -> Any:
+    """The real server joined to the cluster (`serve --cluster ADDRESS`)."""
+    return server_factory(
         "--cluster",
         cluster.address,
         "--slots",
         "1",
         env={"ELBOWROOM_MAX_CTX": "1024", "ELBOWROOM_KV_CACHE": "false"},
     )
+
+
+def test_serve_cluster_answers_openai_and_shows_nodes(cluster: Any, cluster_server: Any) -> None:
+    """The official client; /api/memory and ps show the nodes and where the model runs."""
+    server = cluster_server
     reply = server.openai().chat.completions.create(
         model=SMOLLM2,
         messages=[{"role": "user", "content": "Count: 1, 2, 3,"}],
@@ -252,6 +258,34 @@ def test_serve_cluster_answers_openai_and_shows_nodes(cluster: Any, server_facto
         ).stdout
     )
     assert {n["name"] for n in data["nodes"] if SMOLLM2 in n["models"]} == {row["node"]}
+
+
+def test_the_dashboard_shows_the_nodes_in_a_real_browser(cluster_server: Any) -> None:
+    """Debian's headless Chromium through Playwright (as tests/e2e/test_dashboard_browser.py);
+    then the server stops cleanly, its agents and runners with it."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="the dev extra's playwright")
+    chromium_path = os.environ.get("ELBOWROOM_CHROMIUM") or shutil.which("chromium")
+    if not chromium_path:
+        cluster_server.stop()
+        pytest.skip("no Chromium binary (scripts/test.sh installs Debian's chromium as root)")
+    server = cluster_server
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium_path, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(server.url + "/ui", wait_until="load")
+            rows = page.locator("#nodes tbody tr")
+            sync_api.expect(rows).to_have_count(3, timeout=30_000)
+            sync_api.expect(page.locator("#nodes-section")).to_be_visible()
+            home = page.locator("#nodes tbody tr", has_text=SMOLLM2)
+            sync_api.expect(home).to_have_count(1)
+            model = page.locator(f'#models tr[data-model="{SMOLLM2}"]')
+            sync_api.expect(model).to_contain_text(" on ")
+            assert not errors, errors
+        finally:
+            browser.close()
     assert server.stop() == 0
 
 
