@@ -329,6 +329,8 @@ class ClusterScheduler:
                     "busy": running.busy,
                     "node": "+".join(layers),
                     "split": layers,
+                    "rpc_pids": list(running.rpc_pids),
+                    "pid": running.runner.pid,
                     "n_ctx": running.plan.n_ctx,
                     "slots": running.plan.slots,
                 }

@@ -95,6 +95,7 @@ class RunningSplit:
     plan: SplitPlan
     runner: RemoteRunner
     parts: list[tuple[Node, str]] = field(default_factory=list)  # (node, rpc key)
+    rpc_pids: list[int] = field(default_factory=list)  # each rpc-server's pid on its node
     watches: list[asyncio.Task[None]] = field(default_factory=list)
     busy: int = 0
     closed: bool = False
@@ -114,6 +115,7 @@ async def start_split(
     """Start the RPC servers, then the runner that uses them; undo everything on failure."""
     parts: list[tuple[Node, str]] = []
     endpoints: list[str] = []
+    pids: list[int] = []
     try:
         for node_id in plan.split.layers:
             node = nodes[node_id]
@@ -123,6 +125,7 @@ async def start_split(
                 raise ElbowroomError.from_wire(answer["error"])
             parts.append((node, key))
             endpoints.append(answer["endpoint"])
+            pids.append(int(answer["pid"]))
         home = nodes[next(iter(plan.split.layers))]
         split_spec = dataclasses.replace(spec, engine="llama-rpc")
         running: RunningSplit | None = None
@@ -147,7 +150,7 @@ async def start_split(
         await asyncio.gather(*(n.agent.stop_rpc.remote(k, 2.0) for n, k in parts),
                              return_exceptions=True)  # fmt: skip
         raise
-    running = RunningSplit(plan, runner, parts)
+    running = RunningSplit(plan, runner, parts, pids)
     for node, key in parts:
         running.watches.append(asyncio.create_task(_watch_part(running, node, key, on_down)))
     log.info(

@@ -4,9 +4,10 @@ Two nodes of 300 MiB and 260 MiB (``ELBOWROOM_OVERRIDE_MEMORY`` per node) and a 
 small for anything: SmolLM2 with a 512-token context fits on neither node, so the router
 splits it: an rpc-server per node (started by that node's agent on 127.0.0.1) and a
 llama-server runner using both, layers in proportion to the nodes' free memory. Its
-greedy output equals the unsplit model's (same llama.cpp build). Killing a node of the
-split fails the request in flight at once, and with one node left the model is refused
-with both reasons (507).
+greedy output equals the unsplit model's (same llama.cpp build). An RPC server killed
+takes the split down and the next request splits again; killing a node of the split
+fails the request in flight at once, and with one node left the model is refused with
+both reasons (507).
 Needs the RPC build (scripts/rpc_engine.sh); skips without it.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -73,6 +75,14 @@ def cluster() -> Iterator[Any]:
             os.environ[OOM_KILLER] = saved
 
 
+async def wait_for(predicate: Any, deadline: float, what: str) -> None:
+    end = time.monotonic() + deadline
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {deadline} s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
 def unsplit_text(max_tokens: int) -> str:
     """The unsplit model's greedy text on the same llama.cpp build (tests/e2e/
     test_split_engine.py says why not the PyPI wheel's)."""
@@ -116,6 +126,26 @@ def test_split_over_two_nodes_serves_the_unsplit_output_then_fails_fast(cluster:
             a = next(n for n in layers if n.endswith(cluster.a.node_id[:6]))
             b = next(n for n in layers if n.endswith(cluster.b.node_id[:6]))
             assert layers[a] + layers[b] == 30 and layers[a] > layers[b] >= 1, layers
+            # An RPC server that dies takes the split down; the next request splits again.
+            os.kill(row["rpc_pids"][0], signal.SIGKILL)
+            await wait_for(lambda: router.ps() == [], 30, "the split to be taken down")
+            # Its nodes were full while it ran; wait until their freed memory shows up, as
+            # elbowroom does after any unload, before asking for it again.
+            a_b = {a, b}
+            await wait_for(
+                lambda: (
+                    {n for n, lv in router.pressure()["nodes"].items() if lv == "normal"} >= a_b
+                ),
+                30,
+                "nodes A and B back to normal pressure",
+            )
+            async with router.use(SMOLLM2) as runner:
+                items = [
+                    i async for i in runner.request("completion", {**PROMPT, "max_tokens": 16})
+                ]
+            assert items[-1]["text"] == expected
+            (again,) = router.ps()
+            assert again["rpc_pids"] != row["rpc_pids"] and again["split"] == layers
             # Kill node B mid-stream: the request fails at once, naming the cause.
             got: list[dict[str, Any]] = []
             with pytest.raises(RunnerCrashed):
