@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from elbowroom.errors import ElbowroomError, RunnerCrashed, Unavailable
+from elbowroom.errors import ElbowroomError, EngineError, RunnerCrashed, Unavailable
 from elbowroom.memory.types import ZERO_PROCESS_MEMORY, ProcessMemory, Snapshot
 from elbowroom.models.spec import ModelSpec
 from elbowroom.runtime.protocol import ExitCallback, ReadyInfo, Runner, RunnerState
@@ -37,6 +37,12 @@ def _ray_errors() -> tuple[type[BaseException], ...]:
     import ray.exceptions as rex
 
     return (rex.RayActorError, rex.ActorDiedError, rex.ActorUnavailableError, rex.NodeDiedError)
+
+
+def _task_error() -> type[BaseException]:
+    import ray.exceptions as rex
+
+    return rex.RayTaskError
 
 
 def _with_timeout() -> tuple[type[BaseException], ...]:
@@ -149,6 +155,13 @@ class RemoteRunner:
             self._state = RunnerState.CRASHED
             self.node.mark_gone(f"node {self.node.name} is gone ({type(exc).__name__})")
             raise self._crashed(self.node.gone_cause or "node gone", loading=True) from None
+        except _task_error() as exc:  # a bug in the agent, not the model: say where
+            self._state = RunnerState.STOPPED
+            self.node.forget(self)
+            raise EngineError(
+                f"the elbowroom agent on node {self.node.name} failed to start "
+                f"{self.spec.id}: {exc}"
+            ) from None
         except asyncio.CancelledError:
             await self._stop_remote(1.0)
             raise
@@ -187,6 +200,9 @@ class RemoteRunner:
         if was in (RunnerState.STOPPING, RunnerState.STOPPED):
             return
         self._state = RunnerState.CRASHED
+        if self.node.alive:  # the agent keeps a dead runner's supervisor until told
+            with contextlib.suppress(Exception):
+                self.node.agent.stop.remote(self._key, 0.1)
         if was is RunnerState.READY:
             log.error("runner for %s died (%s)", self.spec.id, cause)
             try:

@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -214,6 +215,32 @@ def test_a_client_that_leaves_mid_stream_frees_the_remote_slot(cluster: Any) -> 
                 while (await runner.stats())["slots_busy"] != 0:
                     assert time.monotonic() < end, "the remote generation was not cancelled"
                     await asyncio.sleep(0.1)
+        finally:
+            await router.close()
+
+    asyncio.run(main())
+
+
+def test_a_remote_runner_that_dies_is_reported_and_restarted(cluster: Any) -> None:
+    """kill -9 of the runner process on its node (the node lives on): the scheduler of
+    that node hears the exit cause through the agent, and the next request restarts it."""
+    from elbowroom.cluster.connect import ClusterServices
+
+    async def main() -> None:
+        settings = settings_for(cluster)
+        cs = ClusterServices(settings, discover(settings), None)
+        router = await cs.build()
+        try:
+            await complete(router)
+            (row,) = router.ps()
+            os.kill(row["pid"], signal.SIGKILL)  # a simulated node's processes are local
+            await wait_for(lambda: router.ps() == [], 30, "the crash to be noticed")
+            crash = [e for e in router.events.recent(600) if e.kind == "crash"]
+            assert crash and "SIGKILL" in crash[-1].message and row["node"] in crash[-1].message
+            items = await complete(router)
+            assert items[-1]["type"] == "done"
+            (again,) = router.ps()
+            assert again["node"] == row["node"] and again["pid"] != row["pid"]
         finally:
             await router.close()
 
