@@ -2,6 +2,20 @@
 seeds with the pressure guard and with ``--no-memory-guard``, side by side in one run.
 
     sudo .venv/bin/python benchmarks/chaos.py [--seeds 1,2,3] [--duration 90] [--quick]
+        [--scenarios protected,plain]
+
+Two scenarios (each seed runs in both, each in both modes):
+
+- ``protected``: the neighbour stands for the rest of the machine (the user's desktop,
+  a database), which the kernel must not kill: the server starts with ``oom_score_adj``
+  1000 (its runners inherit it; the same choice as the neighbour at -1000, which needs
+  CAP_SYS_RESOURCE that containers lack), so when the cgroup runs out the OOM killer
+  takes one of *ours* — a runner with every request on it, or the server. This is what
+  the guard is for: give memory back (unload, abort with a 503 and Retry-After) before
+  the kernel picks a victim. The metric: OOM kills of our processes and the requests
+  they took with them.
+- ``plain``: an ordinary neighbour; the kernel kills the largest process, which is the
+  neighbour. The metric: how often elbowroom's memory made the kernel kill someone else.
 
 Per seed and mode, `elbowroom serve` runs inside its own memory cgroup (a real limit: the
 kernel OOM-kills past it) with two things that grow after the scheduler admitted its loads:
@@ -82,6 +96,7 @@ class Server:
         cgroup: Cgroup | None,
         tag: str,
         env_extra: dict[str, str] | None = None,
+        oom_score_adj: int | None = None,
     ) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("ELBOWROOM_")}
         env.update(
@@ -102,6 +117,7 @@ class Server:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=None if oom_score_adj is None else _oom_score_adj(oom_score_adj),
             )
         self.url = until(self._listening, 240, "the server to listen")
         self.http = httpx.Client(base_url=self.url, timeout=300)
@@ -126,6 +142,14 @@ class Server:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         return self.proc.returncode
+
+
+def _oom_score_adj(value: int) -> Callable[[], None]:
+    def set_it() -> None:  # in the child before exec: the server and its runners inherit it
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write(str(value))
+
+    return set_it
 
 
 def until(condition: Any, timeout: float, what: str) -> Any:
@@ -386,6 +410,7 @@ def sampler(
 class Run:
     seed: int
     mode: str
+    scenario: str
     limit: int
     duration: float
     pattern: list[Burst] = field(default_factory=list)
@@ -400,6 +425,7 @@ class Run:
     neighbour_deaths: list[float] = field(default_factory=list)
     server_exit: int | None = None
     server_died: bool = False
+    watch: dict[str, Any] | None = None  # the guard's pressure watch: sources, wakeups
 
 
 @dataclass(frozen=True, slots=True)
@@ -413,13 +439,13 @@ class Setup:
     rate: int
 
 
-def run(seed: int, mode: str, home: Path, setup: Setup, wav: bytes) -> Run:
-    cg = Cgroup(f"elbowroom-chaos-{os.getpid()}-{seed}-{mode}", setup.limit)
+def run(seed: int, mode: str, scenario: str, home: Path, setup: Setup, wav: bytes) -> Run:
+    cg = Cgroup(f"elbowroom-chaos-{os.getpid()}-{scenario}-{seed}-{mode}", setup.limit)
     rng = random.Random(seed)
     pattern = neighbour_pattern(
         random.Random(rng.random()), setup.duration, setup.limit // MiB, setup.ceiling, setup.rate
     )
-    out = Run(seed, mode, setup.limit, setup.duration, pattern)
+    out = Run(seed, mode, scenario, setup.limit, setup.duration, pattern)
     stop = threading.Event()
     threads: list[threading.Thread] = []
     server: Server | None = None
@@ -429,7 +455,8 @@ def run(seed: int, mode: str, home: Path, setup: Setup, wav: bytes) -> Run:
             "ELBOWROOM_MONITOR_INTERVAL": str(setup.monitor_interval),
             "ELBOWROOM_KV_RAM_MAX": str(setup.kv_ram_max),
         }
-        server = Server(home, args, cg, f"{seed}-{mode}", env)
+        adj = 1000 if scenario == "protected" else None
+        server = Server(home, args, cg, f"{scenario}-{seed}-{mode}", env, adj)
         wall0 = time.time()
         start = time.monotonic()
         stop_at = start + setup.duration
@@ -437,7 +464,14 @@ def run(seed: int, mode: str, home: Path, setup: Setup, wav: bytes) -> Run:
         threads.append(
             threading.Thread(
                 target=neighbour,
-                args=(cg, pattern, stop_at, start, out.neighbour, out.neighbour_deaths),
+                args=(
+                    cg,
+                    pattern,
+                    stop_at,
+                    start,
+                    out.neighbour,
+                    out.neighbour_deaths,
+                ),
             )
         )
         for _ in range(setup.clients):
@@ -476,6 +510,7 @@ def run(seed: int, mode: str, home: Path, setup: Setup, wav: bytes) -> Run:
                     for e in guard.get("events", [])
                     if e["wall"] >= wall0
                 ]
+                out.watch = guard.get("watch")
         out.oom_kills = cg.oom_kills
         out.failcnt = cg.failcnt
         out.server_exit = server.stop()
@@ -537,6 +572,11 @@ def level_seconds(history: list[dict[str, Any]]) -> dict[str, float]:
     return {k: round(v, 1) for k, v in out.items()}
 
 
+def _dropped(x: Result) -> bool:
+    """A connection refused or reset (the server killed), not a client timeout."""
+    return x.status == 0 and x.error == "APIConnectionError"
+
+
 def summarize(r: Run) -> dict[str, Any]:
     outcomes = [outcome(x) for x in r.results]
     served = [x for x, o in zip(r.results, outcomes, strict=True) if o == "served"]
@@ -548,14 +588,25 @@ def summarize(r: Run) -> dict[str, Any]:
     )
     peak = max((u for _, u, _, _ in r.usage), default=0)
     deaths = [e["message"] for e in r.log_events if e["kind"] == "runner_died"]
+    causes = [d.split(" exited: ", 1)[1].split(";")[0] for d in deaths]
     return {
         "seed": r.seed,
         "mode": r.mode,
+        "scenario": r.scenario,
         "duration_s": r.duration,
         "oom_kills": r.oom_kills,
+        # The kernel's kills of our processes: runners SIGKILLed without our asking (the
+        # supervisor's own SIGKILL after a stop grace is logged as a stop, not an exit),
+        # and the server itself.
+        "ours_killed": sum("SIGKILL" in c for c in causes) + int(r.server_died),
+        "lost_to_kills": sum(
+            1
+            for x, o in zip(r.results, outcomes, strict=True)
+            if o == "failed" and (x.error.endswith("runner_crashed") or _dropped(x))
+        ),
         "failcnt": r.failcnt,
         "runner_deaths": len(deaths),
-        "runner_death_causes": [d.split(" exited: ", 1)[1].split(";")[0] for d in deaths],
+        "runner_death_causes": causes,
         "neighbour_deaths": len(r.neighbour_deaths),
         "server_died": r.server_died,
         "server_exit": r.server_exit,
@@ -577,6 +628,7 @@ def summarize(r: Run) -> dict[str, Any]:
         "unloads": sum(1 for e in r.log_events if e["kind"] == "unload"),
         "served_by_endpoint": _count(x.endpoint for x in served),
         "neighbour_peak_mib": max((n for _, n in r.neighbour), default=0),
+        "watch": r.watch,
     }
 
 
@@ -593,14 +645,14 @@ def plot(runs: list[Run], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    seeds = sorted({r.seed for r in runs})
+    seeds = list(dict.fromkeys((r.scenario, r.seed) for r in runs))  # plot rows
     modes = list(dict.fromkeys(r.mode for r in runs))
     fig, axes = plt.subplots(
         len(seeds), len(modes), figsize=(7 * len(modes), 3.6 * len(seeds)), squeeze=False
     )
     mib = 1 / MiB
     for r in runs:
-        ax = axes[seeds.index(r.seed)][modes.index(r.mode)]
+        ax = axes[seeds.index((r.scenario, r.seed))][modes.index(r.mode)]
         if r.usage:
             ts = [u[0] for u in r.usage]
             ax.plot(ts, [u[1] * mib for u in r.usage], color="black", lw=1.2, label="cgroup usage")
@@ -633,6 +685,12 @@ def plot(runs: list[Run], path: Path) -> None:
             ([e["t"] for e in r.log_events if e["kind"] == "unload"], "v", "tab:purple", "unload"),
             ([e["t"] for e in r.events if e["kind"] == "abort"], "X", "tab:red", "abort"),
             (ooms, "*", "darkred", "OOM kill"),
+            (
+                [e["t"] for e in r.log_events if e["kind"] == "runner_died"],
+                "P",
+                "black",
+                "runner died",
+            ),
         ]
         for i, (ts, marker, color, label) in enumerate(marks):
             if ts:
@@ -640,7 +698,8 @@ def plot(runs: list[Run], path: Path) -> None:
                 ax.scatter(ts, y, marker=marker, color=color, s=30, label=label, zorder=3)
         s = summarize(r)
         ax.set_title(
-            f"seed {r.seed}, {r.mode}: {s['oom_kills']} OOM kills, {s['served']} served, "
+            f"{r.scenario} seed {r.seed}, {r.mode}: {s['oom_kills']} OOM kills "
+            f"({s['ours_killed']} ours), {s['served']} served, "
             f"peak {s['peak_fraction']:.0%}",
             fontsize=9,
         )
@@ -655,9 +714,11 @@ def plot(runs: list[Run], path: Path) -> None:
 
 COLUMNS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("OOM kills", lambda s: str(s["oom_kills"])),
+    ("ours killed", lambda s: str(s["ours_killed"])),
+    ("lost to kills", lambda s: str(s["lost_to_kills"])),
+    ("neighbour killed", lambda s: str(s["neighbour_deaths"])),
     ("failcnt", lambda s: str(s["failcnt"])),
     ("runners died", lambda s: str(s["runner_deaths"])),
-    ("neighbour died", lambda s: str(s["neighbour_deaths"])),
     ("served", lambda s: str(s["served"])),
     ("503", lambda s: str(s["refused_503"])),
     ("aborted", lambda s: str(s["aborted"])),
@@ -669,8 +730,10 @@ COLUMNS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
 ]
 TOTALS = [
     "oom_kills",
-    "runner_deaths",
+    "ours_killed",
+    "lost_to_kills",
     "neighbour_deaths",
+    "runner_deaths",
     "served",
     "refused_503",
     "aborted",
@@ -679,22 +742,36 @@ TOTALS = [
 ]
 
 
+def _watch(w: dict[str, Any] | None) -> str:
+    if not w:
+        return "-"
+    return f"{w['wakeups']} kernel wake-ups, {w['fast_samples']} fast samples"
+
+
 def markdown(summaries: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    head = "| seed | mode | " + " | ".join(c for c, _ in COLUMNS) + " |"
-    lines = [head, "|---|---|" + "---|" * len(COLUMNS)]
+    head = "| scenario | seed | mode | " + " | ".join(c for c, _ in COLUMNS) + " |"
+    lines = [head, "|---|---|---|" + "---|" * len(COLUMNS)]
     for s in summaries:
         lines.append(
-            f"| {s['seed']} | {s['mode']} | " + " | ".join(f(s) for _, f in COLUMNS) + " |"
+            f"| {s['scenario']} | {s['seed']} | {s['mode']} | "
+            + " | ".join(f(s) for _, f in COLUMNS)
+            + " |"
         )
-    totals = ["| mode | " + " | ".join(TOTALS) + " |", "|---|" + "---|" * len(TOTALS)]
-    for mode in dict.fromkeys(s["mode"] for s in summaries):
-        rows = [s for s in summaries if s["mode"] == mode]
+    totals = [
+        "| scenario | mode | " + " | ".join(TOTALS) + " |",
+        "|---|---|" + "---|" * len(TOTALS),
+    ]
+    for scenario, mode in dict.fromkeys((s["scenario"], s["mode"]) for s in summaries):
+        rows = [s for s in summaries if (s["scenario"], s["mode"]) == (scenario, mode)]
         totals.append(
-            f"| {mode} | " + " | ".join(str(sum(s[k] for s in rows)) for k in TOTALS) + " |"
+            f"| {scenario} | {mode} | "
+            + " | ".join(str(sum(s[k] for s in rows)) for k in TOTALS)
+            + " |"
         )
     detail = [
-        f"- seed {s['seed']} **{s['mode']}**: runner deaths {s['runner_death_causes'] or '-'}; "
-        f"failed by type {s['failed_by_type'] or '-'}; guard actions {s['guard_actions'] or '-'}; "
+        f"- {s['scenario']} seed {s['seed']} **{s['mode']}**: runner deaths "
+        f"{s['runner_death_causes'] or '-'}; failed by type {s['failed_by_type'] or '-'}; "
+        f"guard actions {s['guard_actions'] or '-'}; pressure watch {_watch(s['watch'])}; "
         f"loads/unloads {s['loads']}/{s['unloads']}; neighbour peak {s['neighbour_peak_mib']} MiB; "
         f"served by endpoint {s['served_by_endpoint']}"
         for s in summaries
@@ -740,13 +817,25 @@ def markdown(summaries: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"{meta['clients']} client threads (openai client, no retries, honouring "
             "Retry-After) sent chat to both LLMs, transcriptions, speech and embeddings.",
             "",
+            "Scenarios: **protected** — the neighbour stands for the rest of the machine, "
+            "which the kernel may not kill (the server and its runners run with "
+            "`oom_score_adj` 1000), so when the cgroup runs out the OOM killer must take one "
+            "of ours, a runner with its requests or the server: "
+            "*ours killed* and *lost to kills* are what the guard is there to keep at 0. "
+            "**plain** — an ordinary neighbour, the largest process, so the kernel kills it: "
+            "*neighbour killed* counts how often our memory cost someone else their process.",
+            "",
             *lines,
             "",
             "Totals over the seeds:",
             "",
             *totals,
             "",
-            "Columns: *OOM kills* the cgroup's `memory.oom_control` oom_kill counter; *failcnt* "
+            "Columns: *OOM kills* the cgroup's `memory.oom_control` oom_kill counter; *ours "
+            "killed* our runners the kernel SIGKILLed (plus the server, if it died); *lost to "
+            "kills* requests that failed because the process serving them was killed (503 "
+            "`runner_crashed`, dropped connections); *neighbour killed* the neighbour's OOM "
+            "deaths; *failcnt* "
             "`memory.failcnt` (times usage hit the limit); *runners died* runner processes "
             "the server saw exit (causes below); *503* refusals under pressure (the guard's "
             "hard level, paused loads, full queues); *aborted* generations the guard ended "
@@ -796,6 +885,11 @@ def main() -> int:
     p.add_argument("--rate", type=int, default=64, help="neighbour growth, MiB/s (up to 2x)")
     p.add_argument("--monitor-interval", type=float, default=0.5)
     p.add_argument("--modes", default="guard,no-guard")
+    p.add_argument(
+        "--scenarios",
+        default="protected,plain",
+        help="protected: the kernel may not kill the neighbour; plain: it may",
+    )
     p.add_argument("--quick", action="store_true", help="one seed, 30 s per mode (a smoke run)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
@@ -823,15 +917,16 @@ def main() -> int:
         print("warm-up: measuring each model alone", flush=True)
         sizes, wav = warm_up(home)
         runs = []
-        for seed in seeds:
-            for mode in args.modes.split(","):
-                print(
-                    f"seed {seed}, {mode}: {setup.duration:.0f} s under a "
-                    f"{format_size(setup.limit)} cgroup",
-                    flush=True,
-                )
-                runs.append(run(seed, mode, home, setup, wav))
-                print("  " + json.dumps(summarize(runs[-1])), flush=True)
+        for scenario in args.scenarios.split(","):
+            for seed in seeds:
+                for mode in args.modes.split(","):
+                    print(
+                        f"{scenario}, seed {seed}, {mode}: {setup.duration:.0f} s under a "
+                        f"{format_size(setup.limit)} cgroup",
+                        flush=True,
+                    )
+                    runs.append(run(seed, mode, scenario, home, setup, wav))
+                    print("  " + json.dumps(summarize(runs[-1])), flush=True)
     summaries = [summarize(r) for r in runs]
     meta = {
         "date": time.strftime("%Y-%m-%d"),

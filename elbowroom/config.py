@@ -115,6 +115,12 @@ class Settings:
     psi_hard: float = 40.0  # ... and to hard
     memory_guard: bool = True
     monitor_interval: float = 1.0
+    # The guard's pressure watch (docs/pressure.md): kernel events (cgroup v1 thresholds,
+    # PSI triggers) wake a sample at once; samples every pressure_fast_interval s while soft/hard.
+    pressure_events: bool = True
+    pressure_fast_interval: float = 0.1
+    # Soft when others' memory grows so fast that available runs out within this many s.
+    pressure_horizon: float = 2.0
     monitor_history: float = 600.0
     unload_settle_timeout: float = 10.0  # wait this long for unloaded memory to show up
     # --- GPUs (docs/gpu.md)

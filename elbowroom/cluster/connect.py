@@ -175,9 +175,16 @@ class ClusterServices:
         )
         # The node scheduler's monitor samples that node's reading (its own usage: the
         # node's runners as the node measured them, plus the agent).
-        guard = PressureGuard(SchedulerTarget(scheduler), enabled=self.settings.memory_guard)
         monitor = scheduler.monitor
+        guard = PressureGuard(
+            SchedulerTarget(scheduler),
+            enabled=self.settings.memory_guard,
+            budget=monitor.cfg,
+            horizon=self.settings.pressure_horizon,
+        )
         monitor.subscribe(guard.on_sample)
+        # No fast kernel watch (pressure_events): that node's kernel is not this one's; its
+        # readings come every cluster_poll seconds.
         await guard.start()
         monitor.start()
         return NodeEntry(node, scheduler, guard=guard, monitor=monitor)

@@ -227,7 +227,11 @@ class LlamaEngine:
                 log.exception("saving idle slots under pressure failed")
 
     def close(self) -> None:
-        if self._slot_pool is not None and self._server is not None:
+        if self._pressure() >= Pressure.HARD:
+            # Memory is needed now: saving every slot takes 0.2-0.9 s before any of it comes
+            # back. Idle slots were saved when pressure turned soft (``relieve``).
+            log.warning("memory pressure is hard: closing without saving slot states")
+        elif self._slot_pool is not None and self._server is not None:
             try:
                 self._slot_pool.save_all()  # the disk tier outlives this process
             except Exception:

@@ -9,9 +9,11 @@ writes, byte cap — and a later request whose prompt shares a prefix with a sav
 it restored into its slot first (slot restore), if the cost model says restoring is
 cheaper than recomputing those tokens. The engine then reuses the common token prefix.
 
-Slots are assigned here, not by the engine: each request takes a free slot (there is
-always one: the runner runs at most ``slots`` requests at once), preferring the slot whose
-last request shares the longest prefix with this one, so a conversation keeps its slot.
+Slots are assigned here, not by the engine: each request takes a free slot, preferring the
+slot whose last request shares the longest prefix with this one, so a conversation keeps
+its slot. The runner runs at most ``slots`` requests at once, so a slot is free unless one
+is held for a save under pressure: that save holds one slot at a time, and a request that
+finds none free waits for it (chaos seed 2 once got HTTP 500s from an empty free set).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from elbowroom.engines.llama_control import EngineControl
+from elbowroom.errors import Unavailable
 from elbowroom.kvcache import CacheKey, PrefixCache
 from elbowroom.kvcache.blocks import common_prefix
 
@@ -37,6 +40,9 @@ MAX_KEY_CHARS = 4096  # of a request's text kept to pick slots by prefix
 # conversation's": the least recently used slot is taken instead, so no live state is
 # overwritten for nothing.
 MIN_SHARED_CHARS = 64
+# A request waits at most this long for a slot held by a save (one slot's state to disk):
+# past it the runner is stuck, and the request gets a 503 that says so.
+SLOT_WAIT_S = 60.0
 
 
 def is_slot_state(blob: bytes) -> bool:
@@ -66,7 +72,9 @@ class Slots:
         self._save_dir = save_dir
         self.block_tokens = max(1, block_tokens)
         self._lock = threading.Lock()
-        self._free = set(range(slots))  # slots no request is running on
+        self._slot_freed = threading.Condition(self._lock)
+        self._free = set(range(slots))  # slots no request is running on (or being saved)
+        self.waiting = 0  # requests waiting for a slot that a save holds
         self._last_key = dict.fromkeys(range(slots), "")
         self._last_used = dict.fromkeys(range(slots), 0.0)
         self._tokens: dict[int, tuple[int, ...]] = dict.fromkeys(range(slots), ())
@@ -111,6 +119,17 @@ class Slots:
             return (shared if useful else 0, -self._last_used[s])
 
         with self._lock:
+            if not self._free:
+                self.waiting += 1
+                try:
+                    if not self._slot_freed.wait_for(lambda: self._free, SLOT_WAIT_S):
+                        raise Unavailable(
+                            f"no LLM slot came free within {SLOT_WAIT_S:.0f} s (a slot save "
+                            "under memory pressure is stuck); retry later",
+                            retry_after=5.0,
+                        )
+                finally:
+                    self.waiting -= 1
             slot = max(self._free, key=score)
             self._free.discard(slot)
             self._last_key[slot] = key
@@ -120,6 +139,7 @@ class Slots:
     def release(self, slot: int) -> None:
         with self._lock:
             self._free.add(slot)
+            self._slot_freed.notify()
 
     def erase(self, slot: int) -> None:
         """Wipe ``slot``'s KV state (a cache-isolated request ran on it) and forget what it
@@ -189,16 +209,24 @@ class Slots:
         return True
 
     def save_idle(self) -> int:
-        """Under pressure: the states of the slots no request runs on (they are held
-        meanwhile, so no request starts on one while it is saved)."""
+        """Under pressure: the states of the slots no request runs on. Each is held while it
+        is saved (no request starts on a slot mid-save), one at a time, so a request that
+        arrives meanwhile takes another idle slot or waits for this one, never fails."""
+        if self._cache is None:
+            return 0
         with self._lock:
             idle = sorted(self._free)
-            self._free.difference_update(idle)
-        try:
-            return self._save(idle)
-        finally:
+        written = 0
+        for slot in idle:
             with self._lock:
-                self._free.update(idle)
+                if slot not in self._free:
+                    continue  # a request took it meanwhile: its state is in use, not idle
+                self._free.discard(slot)
+            try:
+                written += self._save([slot])
+            finally:
+                self.release(slot)
+        return written
 
     def save_all(self) -> int:
         """Before the runner exits: every slot's state into the disk tier. Returns the

@@ -8,6 +8,8 @@ that restarts (a new object) starts from normal and is told the current level ag
 
 from __future__ import annotations
 
+import asyncio
+import time
 import weakref
 
 from elbowroom.guard.ladder import InFlight, LoadedModel
@@ -15,6 +17,10 @@ from elbowroom.memory.types import Pressure
 from elbowroom.models.spec import ModelKind
 from elbowroom.runtime.protocol import Runner
 from elbowroom.scheduler.loop import Scheduler
+
+# An evicted model's aborted generations end within 16 tokens; a non-LLM request runs to
+# its end. Past this the guard stops counting its bytes as being freed.
+EVICT_TIMEOUT = 30.0
 
 
 class SchedulerTarget:
@@ -37,6 +43,7 @@ class SchedulerTarget:
                     pinned=m.pinned,
                     llm=m.kind is ModelKind.LLM,
                     runner_level=self._levels.get(runner, Pressure.NORMAL),
+                    pools=tuple(sorted((p, b) for p, b in m.pools.items() if b > 0)),
                 )
             )
         return out
@@ -64,5 +71,13 @@ class SchedulerTarget:
     def pause_loads(self, paused: bool) -> None:
         self._scheduler.pause_loads(paused)
 
-    async def unload(self, model: str) -> None:
-        await self._scheduler.unload(model, reason="pressure")
+    async def unload(self, model: str, *, timeout: float = EVICT_TIMEOUT) -> None:
+        """Returns once the model is gone: a busy model (evicted at hard) stops when its
+        aborted requests have ended, and until then its bytes are still being freed."""
+        runner = self._scheduler.runner(model)
+        result = await self._scheduler.unload(model, reason="pressure")
+        if result.get("status") != "unloading_when_idle" or runner is None:
+            return
+        deadline = time.monotonic() + timeout
+        while self._scheduler.runner(model) is runner and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # polls the scheduler's state; it has no event for this

@@ -20,10 +20,12 @@ import logging
 import math
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from elbowroom.errors import MemoryPressure
+from elbowroom.guard.gpu import gpu_readings
 from elbowroom.guard.ladder import (
     Abort,
     Action,
@@ -33,6 +35,7 @@ from elbowroom.guard.ladder import (
     LoadedModel,
     OpenAdmission,
     PauseLoads,
+    PoolReading,
     Reading,
     ResumeLoads,
     SetPressure,
@@ -40,6 +43,9 @@ from elbowroom.guard.ladder import (
     next_gate,
     plan,
 )
+from elbowroom.guard.trend import Point, projected
+from elbowroom.guard.watch import PressureWatch, open_sources
+from elbowroom.memory.budget import BudgetConfig
 from elbowroom.memory.monitor import Sample
 from elbowroom.memory.types import Pressure
 from elbowroom.units import format_size
@@ -129,8 +135,16 @@ class PressureGuard:
         enabled: bool = True,
         retry_after: float = 5.0,
         events: int = 1000,
+        budget: BudgetConfig | None = None,
+        horizon: float = 0.0,
     ) -> None:
         self._target = target
+        # GPU pools' levels need the budget's safety margin; None: GPUs are not watched
+        self._budget = budget
+        self._horizon = horizon  # trend.projected: 0 = off (the server passes its knob)
+        self._points: deque[Point] = deque(maxlen=64)
+        self._level_now = Pressure.NORMAL  # the highest pool's level at the last sample
+        self._gpu_levels: dict[str, str] = {}  # GPU pool -> level label at the last sample
         self.enabled = enabled
         self._retry_after = retry_after
         self._gate = Gate()
@@ -144,6 +158,7 @@ class PressureGuard:
         self._pending: Sample | None = None
         self._wake = asyncio.Event()
         self._worker: asyncio.Task[None] | None = None
+        self.watch: PressureWatch | None = None
 
     # --- lifetime --------------------------------------------------------------------
 
@@ -153,7 +168,29 @@ class PressureGuard:
         if self._worker is None:
             self._worker = asyncio.create_task(self._run(), name="elbowroom-pressure-guard")
 
+    def watch_with(
+        self, sample: Callable[[bool], object], fast_interval: float = 0.1
+    ) -> PressureWatch:
+        """Start the pressure watch (``watch.py``): kernel events and fast sampling under
+        pressure call ``sample`` (the monitor's ``sample_now``), whose samples come back
+        through ``on_sample``."""
+        if self.watch is None:
+            self.watch = PressureWatch(
+                sample, self._level, open_sources(), fast_interval=max(0.02, fast_interval)
+            )
+            self.watch.start()
+        return self.watch
+
+    def _level(self) -> Pressure:
+        """The highest pool's level at the last applied sample (host and GPUs), or the
+        latest sample's host level when that is higher (it has not been applied yet)."""
+        sample = self.latest
+        return max(self._level_now, sample.level if sample is not None else Pressure.NORMAL)
+
     async def close(self) -> None:
+        watch, self.watch = self.watch, None
+        if watch is not None:
+            await asyncio.to_thread(watch.stop)
         worker, self._worker = self._worker, None
         if worker is not None:
             worker.cancel()
@@ -176,6 +213,8 @@ class PressureGuard:
             loop.call_soon_threadsafe(self._offer, sample)
 
     def _offer(self, sample: Sample) -> None:
+        if self.watch is not None and sample.level > self._level():
+            self.watch.nudge()  # fast samples from now on, not from the next kernel event
         self.latest = sample
         self._pending = sample
         self._wake.set()
@@ -202,20 +241,51 @@ class PressureGuard:
         reading = reading_of(sample, self._freeing(sample))
         models = self._target.models()
         inflight = self._inflight({m.id: m.bytes for m in models})
+        unloading = frozenset(m for m, p in self._unloading.items() if not p.task.done())
+        gpus = self._gpu_readings(sample, models, unloading)
+        level, why = self._projected(sample)
         actions = plan(
-            sample.level,
+            level,
             self._prev,
             inflight,
             models,
             reading=reading,
             gate=self._gate,
             retry_after=self._retry_after,
+            unloading=unloading,
+            gpus=gpus,
+            why=why,
         )
-        self._gate = next_gate(self._gate, sample.level, actions)
-        self._prev = sample.level
+        self._level_now = max([level, *(g.level for g in gpus)])
+        self._gpu_levels = {g.name: g.level.label for g in gpus}
+        self._gate = next_gate(self._gate, self._level_now, actions)
+        self._prev = level
         for action in actions:
             self._apply(action, sample, reading)
         return actions
+
+    def _projected(self, sample: Sample) -> tuple[Pressure, str | None]:
+        """The sample's host level, raised to soft when others' memory grows fast enough to
+        exhaust what is available within the horizon (``trend.projected``)."""
+        snap = sample.snapshot
+        others = max(0, snap.total - snap.available - sample.own_usage)
+        self._points.append(Point(sample.at, others, snap.available))
+        level, why = projected(self._points, self._horizon)
+        if level > sample.level:
+            return level, why
+        return sample.level, None
+
+    def _gpu_readings(
+        self, sample: Sample, models: list[LoadedModel], unloading: frozenset[str]
+    ) -> list[PoolReading]:
+        if self._budget is None or len(sample.pools) < 2:
+            return []
+        going: Counter[str] = Counter()
+        for m in models:
+            if m.id in unloading:
+                for pool, n in m.pools:
+                    going[pool] += n
+        return gpu_readings(sample.pools, self._budget, going)
 
     def _inflight(self, sizes: dict[str, int]) -> list[InFlight]:
         """In-flight requests with their runner's bytes (``sizes``, when the target left them
@@ -249,7 +319,8 @@ class PressureGuard:
     def _apply(self, action: Action, sample: Sample, reading: Reading) -> None:
         kind = _KINDS[type(action)]
         model: str | None = None
-        reason = sample.level.label
+        level = self._level_now.label  # the sample's, raised by the trend or a GPU pool
+        reason = level
         if isinstance(action, PauseLoads | ResumeLoads):
             self._target.pause_loads(isinstance(action, PauseLoads))
         elif isinstance(action, SetPressure):
@@ -258,7 +329,7 @@ class PressureGuard:
             self._target.set_pressure(action.model, action.level)
         elif isinstance(action, Unload):
             model = action.model
-            reason = "pinned" if action.pinned else reason
+            reason = "pinned" if action.pinned else "busy" if action.busy else reason
             pending = _Unloading(action.bytes, asyncio.create_task(self._unload(action.model)))
             pending.task.add_done_callback(functools.partial(_mark_done, pending))
             self._unloading[action.model] = pending
@@ -274,7 +345,7 @@ class PressureGuard:
             else logging.WARNING,
             "pressure guard: %s (level %s, limit %s)",
             message,
-            sample.level.label,
+            level,
             format_size(reading.limit),
         )
         self._events.append(
@@ -282,7 +353,7 @@ class PressureGuard:
                 sample.at,
                 sample.wall,
                 kind,
-                sample.level.label,
+                level,
                 reading.usage,
                 reading.limit,
                 message,
@@ -343,7 +414,7 @@ class PressureGuard:
         sample = self.latest
         return {
             "enabled": self.enabled,
-            "level": (sample.level.label if sample is not None else None),
+            "level": (self._level().label if sample is not None else None),
             "sample_at": (sample.at if sample is not None else None),
             "admission_open": self.admission_open(),
             "loads_paused": self.loads_paused,
@@ -351,6 +422,16 @@ class PressureGuard:
             "aborting": self.aborting(),
             "unloading": sorted(self._unloading),
             "aborts_this_episode": self._gate.aborts,
+            "gpu_levels": dict(self._gpu_levels),
+            "watch": (
+                {
+                    "sources": self.watch.sources,
+                    "wakeups": self.watch.wakeups,
+                    "fast_samples": self.watch.fast_samples,
+                }
+                if self.watch is not None
+                else None
+            ),
             "counters": [
                 {"action": k, "reason": r, "count": n}
                 for (k, r), n in sorted(self.counters.items())

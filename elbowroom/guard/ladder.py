@@ -21,15 +21,30 @@ The rungs, in order (each level does everything the levels below it do):
   + Retry-After until back under soft; unload every idle unpinned model; then abort ONE
   generation per sample (first the newest: least work lost; then the largest: most memory
   freed), and only when the unloads in progress cannot get usage under the hard threshold.
+  An abort frees little by itself (an LLM's KV cache is allocated when it loads), so when
+  usage is over the hard threshold in bytes the aborted model is unloaded too, as soon as
+  its requests have ended (its runner stays at level 2 meanwhile, refusing new work): a
+  503 with Retry-After now instead of the kernel's OOM killer a moment later, which takes
+  whatever it picks (a runner with all its requests, or someone else's process).
   While an abort has not landed yet, no second one is chosen; a PSI-driven hard episode
-  (usage under the hard threshold in bytes) aborts at most one. Idle *pinned* models go
-  only at hard when nothing else is left to free.
+  (usage under the hard threshold in bytes) aborts at most one and evicts nothing. Idle
+  *pinned* models go only at hard when nothing else is left to free; a busy pinned model
+  has its generation aborted but is never evicted.
+
+GPU pools (``gpus``: one ``PoolReading`` per NVIDIA GPU, our bytes there against that
+pool's thresholds) climb the same rungs with only the models that hold bytes on that GPU,
+and they go first: a GPU at soft unloads its idle models; a GPU at hard chooses the
+sample's one abort among the generations running on it (then evicts that model when the
+GPU is over its hard threshold in bytes) before host RAM's rungs may abort anything.
+VRAM freed is what relieves a GPU; host RAM's rungs would pick by host bytes and could
+abort CPU work that holds nothing on the card. The gates (loads paused, admission closed)
+follow the highest level of any pool.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from elbowroom.memory.types import Pressure
 from elbowroom.units import format_size
@@ -58,6 +73,10 @@ class LoadedModel:
     pinned: bool = False
     llm: bool = False  # its runner takes pressure levels (slot saves, per-token checks)
     runner_level: Pressure = Pressure.NORMAL  # the level last sent to its runner
+    pools: tuple[tuple[str, int], ...] = ()  # bytes it holds in GPU pools ("gpu0", ...)
+
+    def pool_bytes(self, pool: str) -> int:
+        return sum(b for p, b in self.pools if p == pool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +92,16 @@ class Reading:
     soft: int  # usage at which the level turns soft
     hard: int  # ... and hard
     freeing: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PoolReading:
+    """One GPU pool's level and numbers: our bytes there against its own thresholds."""
+
+    name: str  # "gpu0"
+    level: Pressure
+    reading: Reading
+    why: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,9 +121,10 @@ class PauseLoads:
     level: Pressure
     usage: int
     soft: int
+    why: str | None = None  # when the level is not from these numbers (the trend)
 
     def message(self) -> str:
-        return f"pausing model loads: {_over(self.usage, self.soft, 'soft')}"
+        return f"pausing model loads: {self.why or _over(self.usage, self.soft, 'soft')}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,12 +158,17 @@ class Unload:
     usage: int
     threshold: int  # the threshold usage is over
     pinned: bool = False
+    busy: bool = False  # evicted with its generations aborted: goes once they have ended
+    pool: str = "host"  # the pool whose pressure chose it (usage/threshold are that pool's)
 
     def message(self) -> str:
         what = "pinned model" if self.pinned else "idle model"
+        if self.busy:
+            what = "busy model (its generations aborted)"
         return (
             f"unloading {what} {self.model} ({format_size(self.bytes)}) at "
-            f"{self.level.label} pressure: {_over(self.usage, self.threshold, self.level.label)}"
+            f"{self.level.label} pressure{_on(self.pool)}: "
+            f"{_over(self.usage, self.threshold, self.level.label)}"
         )
 
 
@@ -146,11 +181,13 @@ class Abort:
     bytes: int
     usage: int
     hard: int
+    pool: str = "host"
 
     def message(self) -> str:
         return (
             f"aborting the {self.reason} generation {self.request_id} on {self.model} "
-            f"(runner holds {format_size(self.bytes)}): {_over(self.usage, self.hard, 'hard')}"
+            f"(runner holds {format_size(self.bytes)}{_on(self.pool)}): "
+            f"{_over(self.usage, self.hard, 'hard')}"
         )
 
 
@@ -188,6 +225,10 @@ def _over(usage: int, threshold: int, name: str) -> str:
     )
 
 
+def _on(pool: str) -> str:
+    return "" if pool == "host" else f" on {pool}"
+
+
 def _under(usage: int, threshold: int, name: str) -> str:
     return f"usage {format_size(usage)} is under the {name} threshold {format_size(threshold)}"
 
@@ -204,8 +245,14 @@ def plan(
     reading: Reading,
     gate: Gate,
     retry_after: float = 5.0,
+    unloading: frozenset[str] = frozenset(),
+    gpus: Sequence[PoolReading] = (),
+    why: str | None = None,
 ) -> list[Action]:
-    """The actions for one sample at ``level`` (``prev``: the previous sample's level).
+    """The actions for one sample at host ``level`` (``prev``: the previous sample's;
+    ``unloading``: models the guard's unloads are still taking away, left alone; ``gpus``:
+    the GPU pools' levels, which go first; ``why``: the reason for ``level`` when it is not
+    in ``reading``'s numbers, for the log).
 
     Order matters and is the order to apply them in: gates first (so nothing new starts
     while memory is being freed), then runner levels, unloads, and at most one abort.
@@ -213,37 +260,48 @@ def plan(
     actions: list[Action] = []
     soft_or_worse = level >= Pressure.SOFT
     hard = level >= Pressure.HARD
+    # The gates follow the highest pool; their numbers are that pool's.
+    top = max(gpus, key=lambda g: g.level, default=None)
+    overall, gate_reading, gate_why = level, reading, why
+    if top is not None and top.level > level:
+        overall, gate_reading, gate_why = top.level, top.reading, None
 
-    if soft_or_worse and not gate.loads_paused:
-        actions.append(PauseLoads(level, reading.usage, reading.soft))
-    if hard and gate.admission_open:
-        actions.append(CloseAdmission(retry_after, reading.usage, reading.hard))
+    if overall >= Pressure.SOFT and not gate.loads_paused:
+        actions.append(PauseLoads(overall, gate_reading.usage, gate_reading.soft, gate_why))
+    if overall >= Pressure.HARD and gate.admission_open:
+        actions.append(CloseAdmission(retry_after, gate_reading.usage, gate_reading.hard))
     # Admission re-opens only under soft (not merely under hard): a server that flaps
     # between refusing and admitting would push usage straight back up.
-    if level == Pressure.NORMAL:
+    if overall == Pressure.NORMAL:
         if gate.loads_paused:
             actions.append(ResumeLoads(reading.usage, reading.soft))
         if not gate.admission_open:
             actions.append(OpenAdmission(reading.usage, reading.soft))
 
-    unloads = _unloads(level, prev, models, reading) if soft_or_worse else []
-    freed = sum(u.bytes for u in unloads)
+    candidates = [m for m in models if m.id not in unloading]
+    unloads, abort = _gpu_rungs(gpus, inflight, candidates, gate)
+    chosen = {u.model for u in unloads}
+    host = _unloads(level, prev, candidates, reading) if soft_or_worse else []
+    unloads += [u for u in host if u.model not in chosen]
+    freed = sum(u.bytes for u in unloads)  # host bytes: GPU unloads free host RAM too
 
-    abort: Abort | None = None
-    if hard:
+    if hard and abort is None:
         abort = _abort(inflight, gate.aborts, reading, freed)
-        nothing_else = freed == 0 and reading.freeing == 0
+        nothing_else = freed == 0 and reading.freeing == 0 and not unloads
         if abort is None and nothing_else and not any(i.aborting for i in inflight):
-            unloads = _pinned_unloads(models, reading)
+            unloads = _pinned_unloads(candidates, reading)
+        evict = _evict(abort, candidates, reading, freed)
+        if evict is not None and evict.model not in chosen:
+            unloads.append(evict)
 
-    aborting_models = {i.model for i in inflight if i.aborting}
+    aborting_models = {i.model for i in inflight if i.aborting} | set(unloading)
     if abort is not None:
         aborting_models.add(abort.model)
-    gone = {u.model for u in unloads}
+    gone = {u.model for u in unloads if not u.busy}
     for m in models:
         if not m.llm or m.id in gone:
             continue
-        want = Pressure.HARD if m.id in aborting_models else min(level, Pressure.SOFT)
+        want = Pressure.HARD if m.id in aborting_models else min(overall, Pressure.SOFT)
         if want != m.runner_level:
             actions.append(SetPressure(m.id, Pressure(want), m.runner_level))
 
@@ -282,6 +340,60 @@ def _prefix(order: Sequence[LoadedModel], need: int) -> list[LoadedModel]:
         taken.append(m)
         freed += m.bytes
     return taken
+
+
+def _gpu_rungs(
+    gpus: Sequence[PoolReading],
+    inflight: Sequence[InFlight],
+    models: Sequence[LoadedModel],
+    gate: Gate,
+) -> tuple[list[Unload], Abort | None]:
+    """The unloads and the (at most one) abort GPU pools ask for, hardest pool first: the
+    host's rungs seen through one pool (its models, with their bytes on that GPU). The
+    actions carry host bytes: that is what the guard counts as being freed in host RAM."""
+    unloads: list[Unload] = []
+    abort: Abort | None = None
+    host_bytes = {m.id: m.bytes for m in models}
+    for g in sorted(gpus, key=lambda g: (-g.level, g.name)):
+        if g.level < Pressure.SOFT:
+            continue
+        on_gpu = [replace(m, bytes=m.pool_bytes(g.name)) for m in models if m.pool_bytes(g.name)]
+        ids = {m.id for m in on_gpu}
+        # prev = level: GPU levels are in bytes, there is no PSI edge to wait for
+        taken = _unloads(g.level, g.level, on_gpu, g.reading)
+        freed = sum(u.bytes for u in taken)
+        picked = list(taken)
+        if g.level >= Pressure.HARD and abort is None:
+            here = [
+                replace(i, bytes=next(m.bytes for m in on_gpu if m.id == i.model))
+                for i in inflight
+                if i.model in ids
+            ]
+            # one abort at a time across all pools: one that has not landed blocks it
+            pending = any(i.aborting for i in inflight)
+            found = None if pending else _abort(here, gate.aborts, g.reading, freed)
+            if found is not None:
+                abort = replace(found, pool=g.name, bytes=host_bytes[found.model])
+                evict = _evict(found, on_gpu, g.reading, freed)
+                if evict is not None:
+                    picked.append(evict)
+        for u in picked:
+            if all(u.model != x.model for x in unloads):
+                unloads.append(replace(u, bytes=host_bytes[u.model], pool=g.name))
+    return unloads, abort
+
+
+def _evict(
+    abort: Abort | None, models: Sequence[LoadedModel], reading: Reading, freed: int
+) -> Unload | None:
+    """The aborted generation's model, unloaded once its requests end: when usage is over
+    the hard threshold in bytes and the idle unloads do not cover it."""
+    if abort is None or reading.usage - reading.hard <= freed:
+        return None
+    m = next((m for m in models if m.id == abort.model), None)
+    if m is None or m.pinned:
+        return None
+    return Unload(m.id, m.bytes, Pressure.HARD, reading.usage, reading.hard, busy=m.busy > 0)
 
 
 def _pinned_unloads(models: Sequence[LoadedModel], reading: Reading) -> list[Unload]:

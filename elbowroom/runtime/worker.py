@@ -56,7 +56,14 @@ def worker_main(conn: Connection, spec: ModelSpec, options: dict[str, Any]) -> N
     except Exception as exc:
         _send_quietly(conn, {"event": "load_failed", "error": _wire(exc)})
         sys.exit(1)
-    sys.exit(serve(conn, spec, options, engine))
+    code = serve(conn, spec, options, engine)
+    # The engine is closed and every message sent: skip the interpreter's teardown (module
+    # finalizers, freeing every object one by one: ~0.2 s after an LLM), which is time a
+    # swap waits before the next model may load.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def serve(conn: Connection, spec: ModelSpec, options: dict[str, Any], engine: Engine) -> int:

@@ -134,6 +134,8 @@ async def start_services(settings: Settings, *, probe: Probe | None = None) -> S
         from elbowroom.cluster.connect import start_cluster
 
         return await start_cluster(settings, catalog, _measured_store(settings))
+    # The pressure watch listens to this machine's kernel: not for an injected probe.
+    default_probe_used = probe is None
     if probe is None:
         probe = default_probe(settings)
     # The scheduler builds the memory monitor (its own usage is the scheduler's runners
@@ -146,13 +148,20 @@ async def start_services(settings: Settings, *, probe: Probe | None = None) -> S
         measured=_measured_store(settings),
         server_usage=SERVER_BYTES,
     )
-    guard = PressureGuard(SchedulerTarget(scheduler), enabled=settings.memory_guard)
     monitor = scheduler.monitor
+    guard = PressureGuard(
+        SchedulerTarget(scheduler),
+        enabled=settings.memory_guard,
+        budget=monitor.cfg,
+        horizon=settings.pressure_horizon,
+    )
     monitor.subscribe(guard.on_sample)
     services = Services(settings, catalog, scheduler, monitor=monitor, guard=guard)
     try:
         await guard.start()
         monitor.start()
+        if settings.memory_guard and settings.pressure_events and default_probe_used:
+            guard.watch_with(monitor.sample_now, settings.pressure_fast_interval)
         await scheduler.start()  # loads settings.preload
         for model_id in settings.pin:
             try:

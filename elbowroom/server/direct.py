@@ -49,6 +49,7 @@ log = logging.getLogger("elbowroom.server")
 READ = 64 * 1024
 MAX_HEAD = 64 * 1024  # bytes of response head (status line + headers) accepted from the engine
 MAX_ERROR_BODY = 1 << 20
+EXIT_WAIT = 2.0  # seconds a broken engine connection waits to learn whether the runner died
 _MODEL = re.compile(rb'"model":"(?:[^"\\]|\\.)*"')
 
 
@@ -62,8 +63,7 @@ class DirectRunner(Protocol):
 
     def watch_pressure(self, watcher: Callable[[int], None]) -> Callable[[], None]: ...
 
-    @property
-    def exit_cause(self) -> str | None: ...
+    async def exit_within(self, timeout: float) -> str | None: ...
 
 
 async def _answer(runner: DirectRunner, op: str, payload: dict[str, Any]) -> dict[str, Any]:
@@ -151,7 +151,7 @@ class DirectStream:
                 + body
             )
         except OSError as exc:
-            raise self._lost(exc) from exc
+            raise await self._lost(exc) from exc
         if stream:  # the first token is there before the response starts
             await self._start(stream)
 
@@ -161,7 +161,7 @@ class DirectStream:
         try:
             status, headers = await self._head()
         except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
-            raise self._lost(exc) from exc
+            raise await self._lost(exc) from exc
         if status != 200:
             raise await self._refusal(status, headers)
         self.headers = headers
@@ -209,7 +209,7 @@ class DirectStream:
             chunk["model"] = self.model
             return chunk
         except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
-            failure = self._lost(exc)
+            failure = await self._lost(exc)
             raise failure from exc
         except BaseException as exc:
             failure = exc
@@ -248,14 +248,16 @@ class DirectStream:
             self.aborted = "pressure"
             self.disconnect()
 
-    def _lost(self, exc: BaseException | None) -> ElbowroomError:
+    async def _lost(self, exc: BaseException | None) -> ElbowroomError:
+        """Why the engine connection broke: our pressure abort, the runner's death (its
+        process is reaped a moment after its socket closes) or something else."""
         if self.aborted == "pressure":
             return MemoryPressure(
                 f"generation aborted: memory pressure is hard (after {self.tokens} tokens); "
                 "retry later or free memory",
                 code="memory_pressure",
             )
-        cause = self.runner.exit_cause
+        cause = await self.runner.exit_within(EXIT_WAIT)
         if cause is not None:
             return RunnerCrashed(
                 f"runner for {self.model} died ({cause}); the request failed. The next "
@@ -312,9 +314,9 @@ class DirectStream:
                 size = int(size_line.split(b";", 1)[0], 16)
                 chunk = await reader.readexactly(size + 2) if size else b""
             except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
-                raise self._lost(exc) from exc
+                raise await self._lost(exc) from exc
             if not size:
-                raise self._lost(None)  # the body ended without [DONE]
+                raise await self._lost(None)  # the body ended without [DONE]
             pending += chunk[:-2]
             end = pending.rfind(b"\n\n")
             if end < 0:

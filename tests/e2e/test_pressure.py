@@ -185,6 +185,10 @@ def test_hard_pressure_aborts_the_generation_and_the_server_keeps_serving(
 
     abort = server.events("abort")[0]
     assert abort["model"] == LLM and "newest generation" in abort["message"]
+    # over the hard threshold in bytes: the aborted model is evicted once its request ended
+    evict = [e for e in server.events("unload") if "busy model" in e["message"]]
+    assert [e["model"] for e in evict] == [LLM]
+    wait_for(lambda: LLM not in server.loaded(), timeout=30, what=f"{LLM} to be evicted")
 
     # while hard, new work is refused with 503 + Retry-After
     refused = httpx.post(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any, cast
 
@@ -13,6 +15,8 @@ from elbowroom.engines.llama_slots import SEQ_MAGIC, Slots, is_slot_state
 from elbowroom.engines.llama_stream import StreamState
 from elbowroom.engines.llama_tools import parse, plan
 from elbowroom.errors import BadRequest
+from elbowroom.kvcache import CacheKey, PrefixCache
+from elbowroom.units import MiB
 
 WEATHER = {
     "type": "function",
@@ -169,3 +173,52 @@ def test_only_engine_slot_files_are_stored() -> None:
     assert is_slot_state(good)
     assert not is_slot_state(b"ELBKV\r\n\x1a" + b"\0" * 8)
     assert not is_slot_state(b"gg")
+
+
+class _SlowTokenizer:
+    """The engine's control socket, where a slot save under pressure is slow: /tokenize
+    (the first call of a save) waits until the test lets it go."""
+
+    def __init__(self) -> None:
+        self.saving = threading.Event()
+        self.go = threading.Event()
+
+    def request(self, method: str, path: str, body: Any = None) -> Any:
+        assert path == "/tokenize", path
+        self.saving.set()
+        assert self.go.wait(10), "the test never let the save finish"
+        return {"tokens": [1, 2, 3]}
+
+
+def test_a_request_arriving_while_idle_slots_are_saved_waits_for_a_slot(tmp_path: Path) -> None:
+    # Chaos seed 2 (guard on): soft pressure made the runner save its idle slots; requests
+    # that arrived meanwhile found no free slot (max() of an empty set) and got HTTP 500.
+    control = _SlowTokenizer()
+    key = CacheKey("m", 1024, "f16")
+    cache = PrefixCache(key, block_tokens=64, ram_budget=0, disk_dir=tmp_path / "kv", disk_max=MiB)
+    slots = Slots(cast(EngineControl, control), 2, cache, tmp_path, block_tokens=64)
+    idle = slots.acquire("user: tell me a long story about the sea and its old ships")
+    slots.prepare(idle, "completion", {"prompt": "a long story"})
+    slots.release(idle)
+    busy = slots.acquire("user: something else entirely")  # a request runs on the other
+    saver = threading.Thread(target=slots.save_idle)
+    saver.start()
+    assert control.saving.wait(10)  # the idle slot is being saved now
+    got: list[int | BaseException] = []
+
+    def second_request() -> None:
+        try:
+            got.append(slots.acquire("user: a third conversation"))
+        except Exception as exc:
+            got.append(exc)
+
+    arriving = threading.Thread(target=second_request)
+    arriving.start()
+    deadline = time.monotonic() + 10
+    while not got and slots.waiting == 0:  # it failed, or it waits for the save
+        assert time.monotonic() < deadline, "the request neither failed nor waited"
+        time.sleep(0.001)
+    control.go.set()
+    saver.join(10)
+    arriving.join(10)
+    assert got == [idle] and idle != busy

@@ -10,6 +10,7 @@ from elbowroom.guard.ladder import (
     LoadedModel,
     OpenAdmission,
     PauseLoads,
+    PoolReading,
     Reading,
     ResumeLoads,
     SetPressure,
@@ -127,6 +128,10 @@ def test_hard_aborts_the_newest_generation_first_then_the_largest() -> None:
     # the runner of the target gets level 2 (its 16-token check aborts), the other level 1
     assert set(of(SetPressure, first)) == {SetPressure("small", H, N), SetPressure("big", S, N)}
     assert "newest generation new-small" in aborts[0].message()
+    # 40 MiB over hard in bytes and nothing idle: the aborted model goes too, once its
+    # requests have ended (the abort alone frees no KV cache)
+    assert of(Unload, first) == [Unload("small", 100 * MiB, H, 990 * MiB, HARD, busy=True)]
+    assert "busy model" in of(Unload, first)[0].message()
 
     gate = next_gate(Gate(), H, first)
     assert gate == Gate(loads_paused=True, admission_open=False, aborts=1)
@@ -137,7 +142,7 @@ def test_hard_aborts_the_newest_generation_first_then_the_largest() -> None:
     models2[1] = model("big", 400, 2.0, busy=1, llm=True, runner_level=S)
     # small went idle and is unloaded (100 MiB), which is not enough for 150 MiB over hard
     second = plan(H, H, inflight[:1], models2, reading=reading(1100), gate=gate)
-    assert [u.model for u in of(Unload, second)] == ["small"]
+    assert [(u.model, u.busy) for u in of(Unload, second)] == [("small", False), ("big", True)]
     assert [(a.request_id, a.reason) for a in of(Abort, second)] == [("old-big", "largest")]
     # the first target's runner drops back to level 1 so new work there is not aborted
     assert SetPressure("big", H, S) in second
@@ -174,7 +179,8 @@ def test_hard_unloads_an_idle_pinned_model_only_when_nothing_else_is_left() -> N
     with_gen = plan(
         H, S, [InFlight("r", "llm", 3.0, 100 * MiB)], busy, reading=reading(990), gate=Gate()
     )
-    assert of(Unload, with_gen) == [] and len(of(Abort, with_gen)) == 1
+    assert len(of(Abort, with_gen)) == 1
+    assert [(u.model, u.busy) for u in of(Unload, with_gen)] == [("llm", True)]  # not a pin
 
 
 def test_admission_reopens_only_under_soft() -> None:
@@ -199,3 +205,85 @@ def test_every_action_has_a_log_line_with_numbers() -> None:
     for a in actions:
         line = a.message()
         assert line and ("MiB" in line or "pressure" in line), line
+
+
+def test_hard_evicts_the_aborted_model_only_for_a_byte_excess_and_never_a_pinned_one() -> None:
+    inflight = [InFlight("r", "llm", 3.0, 300 * MiB)]
+    busy = model("llm", 300, 3.0, busy=1, llm=True)
+    # PSI-driven hard (usage under the hard threshold in bytes): one abort, no eviction
+    psi = plan(H, S, inflight, [busy], reading=reading(700), gate=Gate())
+    assert len(of(Abort, psi)) == 1 and of(Unload, psi) == []
+    # idle unloads that cover the excess: no abort, no eviction
+    idle = model("idle", 200, 1.0)
+    enough = plan(H, S, inflight, [busy, idle], reading=reading(1000), gate=Gate())
+    assert of(Abort, enough) == [] and [u.model for u in of(Unload, enough)] == ["idle"]
+    # a pinned busy model has its generation aborted but stays loaded
+    pinned = model("llm", 300, 3.0, busy=1, llm=True, pinned=True)
+    kept = plan(H, S, inflight, [pinned], reading=reading(1000), gate=Gate())
+    assert len(of(Abort, kept)) == 1 and of(Unload, kept) == []
+
+
+def test_a_model_being_evicted_is_left_alone_and_kept_at_level_2() -> None:
+    # its aborted generation has ended: idle now, but its eviction is under way
+    going = model("llm", 300, 3.0, llm=True, runner_level=H)
+    other = model("other", 100, 1.0)
+    actions = plan(
+        H,
+        H,
+        [],
+        [going, other],
+        reading=reading(1000),
+        gate=Gate(loads_paused=True, admission_open=False, aborts=1),
+        unloading=frozenset({"llm"}),
+    )
+    assert [u.model for u in of(Unload, actions)] == ["other"]
+    assert of(SetPressure, actions) == []  # stays at 2: queued requests are refused
+
+
+def gpu(level: Pressure, ours_mib: int, soft: int = 850, hard: int = 950) -> PoolReading:
+    return PoolReading("gpu0", level, Reading(ours_mib * MiB, 1000 * MiB, soft * MiB, hard * MiB))
+
+
+def test_a_hard_gpu_pool_aborts_and_unloads_gpu_work_first() -> None:
+    # host RAM is fine; gpu0 is over its hard threshold
+    models = [
+        model("cpu-idle", 300, 0.5),  # the LRU idle model, but it holds nothing on the GPU
+        model("gpu-idle", 50, 2.0, pools=(("gpu0", 400 * MiB),)),
+        model("cpu-llm", 300, 3.0, busy=1, llm=True),
+        model("gpu-llm", 100, 3.0, busy=1, llm=True, pools=(("gpu0", 500 * MiB),)),
+    ]
+    inflight = [
+        InFlight("on-gpu", "gpu-llm", 1.0, 100 * MiB),
+        InFlight("on-cpu", "cpu-llm", 9.0, 300 * MiB),  # the newest: the host's first pick
+    ]
+    actions = plan(N, N, inflight, models, reading=reading(500), gate=Gate(), gpus=[gpu(H, 990)])
+    # the gates follow the GPU's level, with its numbers
+    assert of(PauseLoads, actions) == [PauseLoads(H, 990 * MiB, 850 * MiB)]
+    assert of(CloseAdmission, actions) == [CloseAdmission(5.0, 990 * MiB, 950 * MiB)]
+    # the idle model on the GPU goes (400 MiB of VRAM), not the host's LRU one ...
+    unloads = of(Unload, actions)
+    assert [(u.model, u.pool, u.bytes) for u in unloads] == [("gpu-idle", "gpu0", 50 * MiB)]
+    assert "on gpu0" in unloads[0].message()
+    # ... and 400 MiB covers the 40 MiB over hard: no abort needed
+    assert of(Abort, actions) == []
+
+    # nothing idle on the GPU: the generation on the GPU is aborted, not the newer CPU one
+    busy_only = [m for m in models if m.id != "gpu-idle"]
+    actions = plan(N, N, inflight, busy_only, reading=reading(500), gate=Gate(), gpus=[gpu(H, 990)])
+    aborts = of(Abort, actions)
+    assert [(a.request_id, a.pool) for a in aborts] == [("on-gpu", "gpu0")]
+    assert "on gpu0" in aborts[0].message()
+    # over hard in VRAM bytes: the GPU model is evicted once its requests end
+    assert [(u.model, u.busy) for u in of(Unload, actions)] == [("gpu-llm", True)]
+    # its runner gets level 2; the CPU model only level 1 (the gate is hard, its work runs)
+    assert set(of(SetPressure, actions)) == {
+        SetPressure("gpu-llm", H, N),
+        SetPressure("cpu-llm", S, N),
+    }
+
+
+def test_host_hard_still_aborts_when_no_gpu_is_under_pressure() -> None:
+    models = [model("cpu-llm", 300, 3.0, busy=1, llm=True)]
+    inflight = [InFlight("on-cpu", "cpu-llm", 9.0, 300 * MiB)]
+    actions = plan(H, S, inflight, models, reading=reading(990), gate=Gate(), gpus=[gpu(N, 100)])
+    assert [(a.request_id, a.pool) for a in of(Abort, actions)] == [("on-cpu", "host")]

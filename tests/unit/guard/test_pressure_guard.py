@@ -17,9 +17,10 @@ import pytest
 from elbowroom.errors import MemoryPressure
 from elbowroom.guard.guard import PressureGuard
 from elbowroom.guard.ladder import InFlight, LoadedModel
-from elbowroom.memory.budget import Candidate, Limit
+from elbowroom.memory.budget import BudgetConfig, Candidate, Limit
 from elbowroom.memory.monitor import Sample
-from elbowroom.memory.types import Pressure, Snapshot
+from elbowroom.memory.pools import memory_pools
+from elbowroom.memory.types import GpuMemory, Pressure, Snapshot
 
 MiB = 1024**2
 pytestmark = pytest.mark.anyio
@@ -139,18 +140,19 @@ async def test_one_abort_at_a_time_newest_then_largest() -> None:
     assert guard.aborting() == {"r-small": "small"}
     assert ("set_pressure", "small", Pressure.HARD) in target.calls
     assert ("set_pressure", "big", Pressure.SOFT) in target.calls
+    await settle()
+    assert ("unload", "small") in target.calls  # over hard in bytes: its model goes too
+    assert guard.counters[("unload", "busy")] == 1
 
     # the abort has not landed yet: the next hard sample chooses nothing new
     target.calls.clear()
     await guard.apply(sample(990, Pressure.HARD, at=2))
     assert guard.aborting() == {"r-small": "small"} and target.calls == []
 
-    # it landed (the request is gone): the largest is next, the first runner goes back to 1
+    # it landed (the request is gone): the largest is next
     target.running = target.running[:1]
-    target.loaded = [replace(target.loaded[0], busy=0, pinned=True), target.loaded[1]]
     await guard.apply(sample(990, Pressure.HARD, at=3))
     assert guard.aborting() == {"r-big": "big"}
-    assert ("set_pressure", "small", Pressure.SOFT) in target.calls
     assert ("set_pressure", "big", Pressure.HARD) in target.calls
     assert guard.counters[("abort", "newest")] == 1 and guard.counters[("abort", "largest")] == 1
 
@@ -189,3 +191,33 @@ async def test_samples_from_the_monitor_thread_are_applied_on_the_loop() -> None
         await guard.close()
     guard.on_sample(sample(100, Pressure.NORMAL))  # after close: recorded, not applied
     assert guard.latest is not None and guard.latest.own_usage == 100 * MiB
+
+
+async def test_a_full_gpu_aborts_and_evicts_the_work_on_that_gpu_first() -> None:
+    # An 80 GiB card (injected NVML reading) where another process left 1 GiB free: hard
+    # on gpu0 by free memory, while host RAM is normal. The GPU model's generation is
+    # aborted, though the CPU model's is newer (the host ladder's pick).
+    GiB = 1024 * MiB
+    on_gpu = replace(llm("gpu-llm", 200, 1.0, busy=1), pools=(("gpu0", 30 * GiB),))
+    on_cpu = llm("cpu-llm", 300, 1.0, busy=1)
+    target = Recorder(loaded=[on_gpu, on_cpu])
+    target.running = [InFlight("g", "gpu-llm", 1.0, 0), InFlight("c", "cpu-llm", 5.0, 0)]
+    cfg = BudgetConfig()
+    guard = PressureGuard(target, budget=cfg)
+    card = GpuMemory(0, "NVIDIA H100", total=80 * GiB, free=1 * GiB, used=79 * GiB)
+    s = sample(500, Pressure.NORMAL, at=1)
+    snap = replace(s.snapshot, gpus=(card,))
+    # the pools as the monitor computes them from that reading and our 30 GiB on the card
+    s = replace(s, snapshot=snap, pools=memory_pools(snap, 500 * MiB, {0: 30 * GiB}, cfg))
+    await guard.apply(s)
+    assert guard.aborting() == {"g": "gpu-llm"}
+    assert ("set_pressure", "gpu-llm", Pressure.HARD) in target.calls
+    assert ("set_pressure", "cpu-llm", Pressure.HARD) not in target.calls
+    assert not guard.admission_open()  # hard on a GPU closes admission too
+    assert guard.state()["gpu_levels"] == {"gpu0": "hard"}
+    events = guard.events()
+    abort = next(e for e in events if e.kind == "abort")
+    assert "on gpu0" in abort.message
+    # without the GPU reading the same sample is normal and nothing is done
+    plain = PressureGuard(Recorder(loaded=[on_gpu, on_cpu]), budget=cfg)
+    assert await plain.apply(sample(500, Pressure.NORMAL, at=1)) == []

@@ -109,6 +109,9 @@ class Runner:
     direct_streams = True
     exit_cause: str | None = None
 
+    async def exit_within(self, timeout: float) -> str | None:
+        return self.exit_cause
+
     def __init__(self, socket: Path, direct: bool = True) -> None:
         self.socket = socket
         self.direct = direct
@@ -254,6 +257,16 @@ def test_a_stream_that_breaks_off_is_an_error_event(
     assert "error id" in _events(body)[-1]["error"]["message"]
     assert "stream broke off" in caplog.text
     assert runner.closed
+
+
+def test_a_runner_that_dies_mid_stream_is_reported_as_a_crash(tmp_path: Path) -> None:
+    def kill(runner: Runner) -> None:
+        runner.exit_cause = "killed by signal SIGKILL"
+
+    body, _, _, _ = asyncio.run(_relay(tmp_path, 200, [_token("a")], on_first=kill))
+    assert body is not None
+    err = _events(body)[-1]["error"]
+    assert "died (killed by signal SIGKILL)" in err["message"]
 
 
 def test_hard_pressure_aborts_and_closes_the_engine_connection(tmp_path: Path) -> None:

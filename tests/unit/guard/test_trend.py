@@ -1,0 +1,109 @@
+"""The trend: soft before the floor when what others hold grows fast (pure), and the
+guard acting on it with a sample sequence like the chaos benchmark's neighbour."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from elbowroom.guard.guard import PressureGuard
+from elbowroom.guard.ladder import LoadedModel
+from elbowroom.guard.trend import Point, projected
+from elbowroom.memory.budget import Candidate, Limit
+from elbowroom.memory.monitor import Sample
+from elbowroom.memory.types import Pressure, Snapshot
+
+MiB = 1024**2
+pytestmark = pytest.mark.anyio
+
+
+def test_soft_when_others_grow_fast_enough_to_exhaust_available_within_the_horizon() -> None:
+    # others +100 MiB/s; 150 MiB available lasts 1.5 s: within a 2 s horizon
+    pts = [Point(0.0, 500 * MiB, 350 * MiB), Point(1.0, 550 * MiB, 250 * MiB)]
+    pts.append(Point(1.5, 650 * MiB, 150 * MiB))
+    level, why = projected(pts, horizon=2.0)
+    assert level is Pressure.SOFT and why is not None and "1.5 s" in why
+    # the same growth with 400 MiB available (4 s) is not soft yet
+    far = [Point(0.0, 500 * MiB, 600 * MiB), Point(1.0, 600 * MiB, 400 * MiB)]
+    assert projected(far, horizon=2.0) == (Pressure.NORMAL, None)
+    # shrinking or flat: normal; off: normal; too short a span to be a rate: normal
+    flat = [Point(0.0, 600 * MiB, 50 * MiB), Point(1.0, 590 * MiB, 60 * MiB)]
+    assert projected(flat, horizon=2.0) == (Pressure.NORMAL, None)
+    assert projected(pts, horizon=0.0) == (Pressure.NORMAL, None)
+    assert projected(pts[-1:], horizon=2.0) == (Pressure.NORMAL, None)
+    close = [Point(1.4, 600 * MiB, 200 * MiB), Point(1.5, 650 * MiB, 150 * MiB)]
+    assert projected(close, horizon=2.0) == (Pressure.NORMAL, None)
+    # only the last 1.5 s count: an old low point does not make today's rate
+    old = [Point(-10.0, 0, 900 * MiB), Point(0.0, 650 * MiB, 150 * MiB)]
+    old.append(Point(1.0, 650 * MiB, 150 * MiB))
+    assert projected(old, horizon=2.0) == (Pressure.NORMAL, None)
+
+
+def sample(at: float, others_mib: int, own_mib: int, total_mib: int = 1280) -> Sample:
+    avail = (total_mib - others_mib - own_mib) * MiB
+    limit = Limit(
+        value=(avail + own_mib * MiB),
+        winner="available",
+        candidates=(Candidate("available", avail + own_mib * MiB, "test"),),
+        soft=int((avail + own_mib * MiB) * 0.9),
+        hard=int((avail + own_mib * MiB) * 0.95),
+    )
+    snap = Snapshot(
+        "linux", total_mib * MiB, avail, total_mib * MiB - avail, total_mib * MiB, avail
+    )
+    return Sample(at, 1_700_000_000.0 + at, snap, own_mib * MiB, limit, Pressure.NORMAL)
+
+
+class Target:
+    def __init__(self) -> None:
+        self.loaded = [
+            LoadedModel("idle-old", 100 * MiB, 1.0),
+            LoadedModel("idle-new", 100 * MiB, 2.0),
+        ]
+        self.calls: list[tuple[object, ...]] = []
+
+    def models(self) -> list[LoadedModel]:
+        return list(self.loaded)
+
+    def inflight(self) -> list:  # type: ignore[type-arg]
+        return []
+
+    def set_pressure(self, model: str, level: Pressure) -> None:
+        self.calls.append(("set_pressure", model, level))
+
+    def pause_loads(self, paused: bool) -> None:
+        self.calls.append(("pause_loads", paused))
+
+    async def unload(self, model: str) -> None:
+        self.calls.append(("unload", model))
+        self.loaded = [m for m in self.loaded if m.id != model]
+
+
+async def test_a_fast_neighbour_pauses_loads_and_frees_one_idle_model_before_the_floor() -> None:
+    target = Target()
+    guard = PressureGuard(target, horizon=2.0)
+    # a neighbour growing 128 MiB/s next to our 400 MiB: every sample is "normal" by itself
+    # (the last leaves 224 MiB available: 1.75 s at that pace)
+    for i, others in enumerate((400, 464, 528, 592, 656)):
+        await guard.apply(sample(i * 0.5, others, 400))
+    for _ in range(3):  # let the unload task run
+        await asyncio.sleep(0)
+    assert ("pause_loads", True) in target.calls
+    assert [c for c in target.calls if c[0] == "unload"] == [("unload", "idle-old")]
+    pause = next(e for e in guard.events() if e.kind == "pause_loads")
+    assert "grows 128.0 MiB/s" in pause.message
+    # it holds (others flat): loads resume once the last 1.5 s show no growth, and nothing
+    # more is unloaded meanwhile
+    for at in (2.5, 3.0, 3.5):
+        await guard.apply(sample(at, 656, 300))
+    assert target.calls[-1] == ("pause_loads", False)
+    assert [c for c in target.calls if c[0] == "unload"] == [("unload", "idle-old")]
+
+
+async def test_our_own_growth_is_not_a_trend_the_guard_answers() -> None:
+    target = Target()
+    guard = PressureGuard(target, horizon=2.0)
+    # our runners grow 128 MiB/s (a model loading): others flat, nothing happens
+    for i, own in enumerate((300, 364, 428, 492)):
+        assert await guard.apply(sample(i * 0.5, 300, own)) == []
