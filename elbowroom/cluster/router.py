@@ -190,6 +190,8 @@ class ClusterScheduler:
         from elbowroom.scheduler.inputs import default_estimator
 
         spec = self._catalog.get(model_id)
+        if self._tasks:  # a split still being taken down: plan with its memory back
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
         live = self.live()
         reports = [(e.node.id, e.scheduler.memory_report()) for e in live]
         try:

@@ -27,7 +27,7 @@ from typing import Any
 from elbowroom.cluster.remote import Node, RemoteRunner, _ray_errors
 from elbowroom.cluster.split import LayerSplit, SplitError, split_layers
 from elbowroom.config import Settings
-from elbowroom.errors import ElbowroomError
+from elbowroom.errors import ElbowroomError, RunnerCrashed
 from elbowroom.models.spec import ModelSpec
 from elbowroom.units import format_size
 
@@ -120,7 +120,16 @@ async def start_split(
         for node_id in plan.split.layers:
             node = nodes[node_id]
             key = f"rpc:{spec.id}#{next(_keys)}"
-            answer = await node.agent.start_rpc.remote(key, str(bin_dir / "rpc-server"))
+            try:
+                answer = await node.agent.start_rpc.remote(key, str(bin_dir / "rpc-server"))
+            except _ray_errors() as exc:
+                node.mark_gone(f"node {node.name} is gone ({type(exc).__name__})")
+                raise RunnerCrashed(
+                    f"node {node.name} left while {spec.id} was being split; retry: the "
+                    "split is planned again over the nodes there are",
+                    code="runner_crashed",
+                    details={"node": node.name},
+                ) from None
             if "error" in answer:
                 raise ElbowroomError.from_wire(answer["error"])
             parts.append((node, key))
@@ -182,6 +191,9 @@ async def stop_split(running: RunningSplit, grace: float) -> None:
         *(n.agent.stop_rpc.remote(k, grace) for n, k in running.parts if n.alive),
         return_exceptions=True,
     )
+    # A fresh reading of each node once its RPC server is gone: the next plan sees the
+    # freed memory, not the split's (as a scheduler waits for an unload to settle).
+    await asyncio.gather(*(n.refresh() for n, _ in running.parts if n.alive))
 
 
 def free_bytes(reports: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, int]:

@@ -19,6 +19,7 @@ differently, so greedy text may differ from ``LlamaEngine``'s after a few tokens
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import signal
@@ -32,7 +33,7 @@ from elbowroom.cluster.rpc import check_rpc_bind
 from elbowroom.cluster.split import tensor_split_arg
 from elbowroom.engines.llama import LlamaEngine
 from elbowroom.engines.llama_control import _UnixConnection
-from elbowroom.errors import EngineError
+from elbowroom.errors import EngineError, RunnerCrashed
 from elbowroom.models.spec import ModelSpec
 
 XLLAMACPP_VERSION = "2026.10.11549"
@@ -90,6 +91,11 @@ def server_args(params: Any, binary: Path, rpc: list[str], split: list[int]) -> 
     if params.verbosity >= 3:
         args.append("-v")
     return args
+
+
+class StreamCut(RuntimeError):
+    """llama-server's answer ended without its end marker: the split lost a device (an RPC
+    server or its node went away) or llama-server itself died."""
 
 
 class LlamaServerProcess:
@@ -156,14 +162,22 @@ class LlamaServerProcess:
                     raise ValueError(raw)
                 callback(raw if raw.startswith("{") else json.dumps({"error": {"message": raw}}))
                 return
-            for line in resp:
-                if not line.startswith(b"data: "):
-                    continue
-                data = line[6:].strip()
-                if data == b"[DONE]":
-                    return
-                if callback(data.decode()):
-                    return
+            try:
+                for line in resp:
+                    if not line.startswith(b"data: "):
+                        continue
+                    data = line[6:].strip()
+                    if data == b"[DONE]":
+                        return
+                    if callback(data.decode()):
+                        return
+            except (OSError, http.client.HTTPException) as exc:
+                raise StreamCut(f"the connection to llama-server broke ({exc})") from exc
+            code = self.proc.poll()
+            raise StreamCut(
+                "llama-server ended the answer early"
+                + (f" and exited with {code}" if code is not None else "")
+            )
         finally:
             conn.close()
 
@@ -204,6 +218,24 @@ class RpcLlamaEngine(LlamaEngine):
         facts = super().load(spec, {**options, "n_gpu_layers": 999, "tensor_split": None})
         return {**facts, "engine": "llama-server (RPC)", "rpc_servers": self._rpc,
                 "rpc_split": self._split}  # fmt: skip
+
+    def run(
+        self, op: str, payload: dict[str, Any], emit: Callable[[dict[str, Any]], None],
+        cancelled: Callable[[], bool],
+    ) -> dict[str, Any]:  # fmt: skip
+        try:
+            return super().run(op, payload, emit, cancelled)
+        except EngineError as err:
+            if not isinstance(err.__cause__, StreamCut):
+                raise
+            # Not the request's fault: the split is losing a part. A 503 the client may
+            # retry; the router takes the split down and plans it again.
+            raise RunnerCrashed(
+                f"the split model's engine lost a device: {err.__cause__}; the request failed, "
+                "the next one places the model again",
+                code="runner_crashed",
+                details={"exit_cause": str(err.__cause__)},
+            ) from None
 
     def _start_server(self, params: Any) -> Any:
         args = server_args(params, self._binary, self._rpc, self._split)
