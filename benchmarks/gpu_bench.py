@@ -264,8 +264,9 @@ def vram(out: Path, models: list[Path], ctxs: list[int], slots_list: list[int]) 
 # ------------------------------------------------------------------------- speed
 
 
-def engine_params(path: Path, ctx: int, slots: int) -> Any:
-    """The engine in-process, configured as elbowroom configures its runner."""
+def engine_params(path: Path, ctx: int, slots: int, port: int = 0) -> Any:
+    """The engine in-process, configured as elbowroom configures its runner; with ``port``
+    its own HTTP listener is on that loopback port (llama-server's path: C++ HTTP + SSE)."""
     import xllamacpp as xlc
 
     p = xlc.CommonParams()
@@ -279,6 +280,9 @@ def engine_params(path: Path, ctx: int, slots: int) -> Any:
     p.fit_params = False
     p.cache_ram_mib = 512
     p.ctx_shift = False
+    if port:
+        p.hostnames = ["127.0.0.1"]
+        p.port = port
     return xlc.Server(p)
 
 
@@ -313,7 +317,7 @@ def in_process(srv: Any, i: int, tokens: int) -> int:
     return usage_tokens(chunks)
 
 
-def through_server(url: str, model: str, i: int, tokens: int) -> int:
+def through_server(url: str, model: str | None, i: int, tokens: int) -> int:
     import httpx
 
     chunks = []
@@ -358,20 +362,25 @@ def speed(out: Path, path: Path, rounds: int, tokens: int, ctx: int = 2048, slot
         model = path.stem
         httpx.post(f"{server.url}/api/models/{model}/load", timeout=120).raise_for_status()
         ps = ps_rows(server.url)
-        srv = engine_params(path, ctx, slots)
+        port = free_port()
+        srv = engine_params(path, ctx, slots, port)
 
         def engine(i: int, n: int) -> int:
             return in_process(srv, i, n)
 
+        def engine_http(i: int, n: int) -> int:  # the same engine through its own HTTP
+            return through_server(f"http://127.0.0.1:{port}", None, i, n)
+
         def elbowroom(i: int, n: int) -> int:
             return through_server(server.url, model, i, n)
 
+        systems = (("engine", engine), ("engine_http", engine_http), ("elbowroom", elbowroom))
         runs: dict[str, list[float]] = {}
         for streams in (1, 8):
-            aggregate(engine, streams, 16)  # warm-up
-            aggregate(elbowroom, streams, 16)
-            for _ in range(rounds):  # interleaved: drift hits both the same
-                for name, fn in (("engine", engine), ("elbowroom", elbowroom)):
+            for _, fn in systems:
+                aggregate(fn, streams, 16)  # warm-up
+            for _ in range(rounds):  # interleaved: drift hits all the same
+                for name, fn in systems:
                     runs.setdefault(f"{name}_{streams}", []).append(aggregate(fn, streams, tokens))
         row: dict[str, Any] = {
             "model": model,
@@ -387,6 +396,8 @@ def speed(out: Path, path: Path, rounds: int, tokens: int, ctx: int = 2048, slot
         for streams in (1, 8):
             e, s = runs[f"engine_{streams}"], runs[f"elbowroom_{streams}"]
             row[f"ratio_{streams}"] = round(statistics.median(s) / statistics.median(e), 3)
+            h = runs[f"engine_http_{streams}"]
+            row[f"ratio_http_{streams}"] = round(statistics.median(s) / statistics.median(h), 3)
         emit(out, "speed", row)
     finally:
         server.close()

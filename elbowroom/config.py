@@ -81,6 +81,7 @@ class Settings:
     default_model: str = "smollm2-135m"
     preload: tuple[str, ...] = _strs(default=())
     pin: tuple[str, ...] = _strs(default=())
+    model_projectors: tuple[str, ...] = _strs(default=())  # vision: "ID=PATH" of an mmproj
     # --- LLM engine
     ctx: int | None = None  # None: sized from the KV budget
     max_ctx: int = 4096  # per slot: auto-sizing never goes above this (nor the trained context)
@@ -131,6 +132,13 @@ class Settings:
     max_upload: int = _size(default=25 * 1024**2)
     max_speech_chars: int = 4096
     max_embedding_inputs: int = 256
+    # --- vision (docs/models.md#vision)
+    vision_gate: float = 0.70  # a vision model above this share of its pool's limit: 507
+    vision_settle_factor: float = 1.5  # switching to a vision model: wait for this x its bytes
+    max_images: int = 8  # images in one request
+    max_image_bytes: int = _size(default=10 * 1024**2)  # bytes of one image (decoded base64)
+    max_image_pixels: int = 25_000_000  # width x height of one image (decompression bombs)
+    image_url_hosts: tuple[str, ...] = _strs(default=())  # hosts image_url may fetch from
     # --- KV prefix cache
     kv_cache: bool = True
     kv_cache_dir: Path | None = None  # default: cache dir / "kv"
@@ -275,6 +283,17 @@ def _validate(s: Settings) -> None:
         if getattr(s, name) < 1:
             raise ConfigError(f"{name} must be >= 1, not {getattr(s, name)}")
     for name in ("max_messages", "max_chars", "max_stop", "max_stop_chars"):
+        if getattr(s, name) < 0:
+            raise ConfigError(f"{name} must be >= 0, not {getattr(s, name)}")
+    for item in s.model_projectors:
+        name, eq, where = item.partition("=")
+        if not eq or not name.strip() or not where.strip():
+            raise ConfigError(f"model_projectors entries are ID=PATH, not {item!r}")
+    if s.vision_gate <= 0:
+        raise ConfigError(f"vision_gate must be > 0 (1 or more: off), not {s.vision_gate}")
+    if s.vision_settle_factor < 0:
+        raise ConfigError(f"vision_settle_factor must be >= 0, not {s.vision_settle_factor}")
+    for name in ("max_images", "max_image_bytes", "max_image_pixels"):
         if getattr(s, name) < 0:
             raise ConfigError(f"{name} must be >= 0, not {getattr(s, name)}")
     if s.kv_block_tokens < 1:

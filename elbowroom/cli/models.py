@@ -24,6 +24,7 @@ from elbowroom.memory.budget import Fit, Limit, fits, limit_to_dict
 from elbowroom.memory.monitor import Monitor, Sample
 from elbowroom.memory.probe import default_probe
 from elbowroom.memory.types import Snapshot
+from elbowroom.models import vision
 from elbowroom.models.bundled import unprepared
 from elbowroom.models.catalog import Catalog, discover
 from elbowroom.models.estimate import max_context, swa_layers
@@ -108,7 +109,13 @@ class _Context:
         the load ceiling, and the policy's refusal (with its suggestions) if any."""
         state = budget_state((), self.limit.ceiling, self.sample.pools, 0)
         plan, decision = plan_and_decide(
-            spec, self.settings, state, self.sample.pools, default_estimator(), self.measured
+            spec,
+            self.settings,
+            state,
+            self.sample.pools,
+            default_estimator(),
+            self.measured,
+            self.limit.value,
         )
         fit = fits(plan.footprint.total, 0, self.limit)
         refusal = decision if isinstance(decision, policy.Refuse) else None
@@ -133,6 +140,19 @@ def _footprint_dict(fp: Footprint) -> dict[str, Any]:
 # ------------------------------------------------------------------------------- ls
 
 
+def _projector_dict(spec: ModelSpec) -> dict[str, Any] | None:
+    proj = spec.projector
+    if proj is None:
+        return None
+    return {
+        "path": str(proj.path),
+        "type": proj.projector_type,
+        "image_size": proj.image_size,
+        "image_tokens": proj.image_tokens,
+        "weight_bytes": proj.weight_bytes,
+    }
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     try:
         ctx = _Context(_settings(args))
@@ -142,15 +162,19 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for spec in ctx.catalog.list():
         verdict = ctx.plan(spec)
         n_ctx, how, fp, fit = verdict.plan.n_ctx, verdict.how, verdict.plan.footprint, verdict.fit
+        gate = vision.gate(
+            spec.id, spec.vision, fp.total, ctx.limit.value, ctx.settings.vision_gate
+        )
+        refused = gate.verdict is vision.Verdict.REFUSE
         rows.append(
             [
                 spec.id,
-                spec.kind.value,
+                spec.kind.value + (" +vision" if spec.vision else ""),
                 spec.engine,
                 fs(spec.size_bytes),
                 n_ctx or "-",
                 fs(fp.total) + (" (measured)" if fp.measured else ""),
-                "yes" if fit.ok else "no",
+                "no (vision gate)" if refused else "yes" if fit.ok else "no",
                 spec.source,
             ]
         )
@@ -167,8 +191,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 "n_ctx": n_ctx,
                 "n_ctx_source": how,
                 "footprint": _footprint_dict(fp),
-                "fits": fit.ok,
+                "fits": fit.ok and not refused,
                 "shortfall": fit.shortfall,
+                "capabilities": vision.capabilities(spec),
+                "projector": _projector_dict(spec),
+                "vision_gate": gate.details() if spec.vision else None,
             }
         )
     problems = [{"path": str(p.path), "reason": p.reason} for p in ctx.catalog.problems]
@@ -267,9 +294,23 @@ def _plan_dict(
             "largest_fitting": largest if spec.gguf else None,
         },
         "footprint": _footprint_dict(fp),
+        "vision": _vision_dict(ctx, spec, fp),
         "fit": asdict(fit),
         "prompt_cache_grant": verdict.plan.cache_grant,
         "suggestions": tips,
+    }
+
+
+def _vision_dict(ctx: _Context, spec: ModelSpec, fp: Footprint) -> dict[str, Any] | None:
+    if spec.projector is None or spec.gguf is None:
+        return None
+    cost = vision.extra_footprint(spec.projector, spec.gguf.n_embd)
+    gate = vision.gate(spec.id, True, fp.total, ctx.limit.value, ctx.settings.vision_gate)
+    return {
+        **(_projector_dict(spec) or {}),
+        "at_load": cost.at_load,
+        "working": cost.working,
+        "gate": {**gate.details(), "verdict": gate.verdict.value},
     }
 
 
@@ -324,6 +365,19 @@ def _plan_text(
             f" {fs(fp.working - fp.compute)} (what serving touches: {fs(fp.working)})",
             f"   anonymous = KV + repacked + the rest = {fs(fp.anonymous)}{src}",
         ]
+        if spec.projector is not None:
+            cost = vision.extra_footprint(spec.projector, g.n_embd)
+            gate = vision.gate(spec.id, True, fp.total, limit.value, s.vision_gate)
+            lines += [
+                f"   vision ({spec.projector.projector_type} projector, "
+                f"{spec.projector.image_tokens} tokens per image): weights "
+                f"{fs(cost.weights)} + encoder runtime {fs(cost.at_load - cost.weights)} (in"
+                f" the engine line), encoder working memory {fs(cost.working)} (in what"
+                " serving touches); image tokens take context, no extra KV",
+                f"   vision gate: {fs(fp.total)} is {gate.share:.0%} of the {fs(limit.value)}"
+                f" limit (gate {s.vision_gate:.0%}): "
+                + ("REFUSED (507)" if gate.verdict is vision.Verdict.REFUSE else "passes"),
+            ]
     else:
         lines += [
             f"3. weights on disk: {fs(fp.weights)} (loaded into anonymous memory)",

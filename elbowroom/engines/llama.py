@@ -138,6 +138,13 @@ class LlamaEngine:
         params.cache_ram_mib = max(0, int(options.get("cache_ram_bytes", 0)) // (1 << 20))
         self._cache_grant = params.cache_ram_mib << 20
         params.n_gpu_layers = int(options.get("n_gpu_layers", 0))
+        if spec.projector is not None:  # vision (models/vision.py)
+            params.mmproj.path = str(spec.projector.path)
+            # The projector is budgeted in host RAM: on a GPU its bytes would be VRAM the
+            # offload plan does not count.
+            params.mmproj_use_gpu = False
+        else:
+            params.no_mmproj = True
         if options.get("main_gpu") is not None:
             params.main_gpu = int(options["main_gpu"])
         if options.get("tensor_split"):
@@ -184,6 +191,7 @@ class LlamaEngine:
             "native_tools": self._native_tools,
             "cache_ram_mib": params.cache_ram_mib,
             "engine": f"xllamacpp {version}",
+            "vision": spec.projector is not None,
         }
 
     def _start_server(self, params: Any) -> Any:

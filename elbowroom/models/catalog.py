@@ -7,9 +7,11 @@ Sources, in order (an earlier source keeps an id when two collide):
 3. each entry of ``settings.model_paths``: a model file, a model folder, or a folder to search.
 
 What counts as a model:
-- ``*.gguf`` with the GGUF magic → LLM (llama). ``mmproj*.gguf`` are projectors, attached to
-  the model beside them, never listed. Split models (``x-00001-of-00003.gguf``) are listed
-  once, by their first shard, with the size of all shards.
+- ``*.gguf`` with the GGUF magic → LLM (llama). ``mmproj*.gguf`` are projectors, never
+  listed: one beside a model (name rule in models/vision.py), or named for it in
+  ``settings.model_projectors`` (``ID=PATH``), gives that model vision. Split models
+  (``x-00001-of-00003.gguf``) are listed once, by their first shard, with the size of all
+  shards.
 - a folder with ``model.bin`` + ``config.json`` → whisper (CTranslate2), ASR.
 - a folder with ``model.onnx`` (or ``onnx/model.onnx``) + ``tokenizer.json`` → onnx-embed.
 - ``X.onnx`` with ``X.onnx.json`` beside it → piper voice, TTS.
@@ -34,6 +36,7 @@ from elbowroom.errors import ModelNotFound
 from elbowroom.models.bundled import bundled_specs, tree_size
 from elbowroom.models.gguf_meta import InvalidModel, is_mmproj, read_gguf_info
 from elbowroom.models.spec import GGUFInfo, Holding, ModelKind, ModelSpec
+from elbowroom.models.vision import read_projector
 
 log = logging.getLogger(__name__)
 
@@ -309,4 +312,31 @@ def discover(settings: Settings) -> Catalog:
         add(_search(settings.models_path, problems), "models_dir")
     for path in settings.model_paths:
         add(_from_path(Path(path).expanduser(), problems), "path")
-    return Catalog(specs, problems)
+    return Catalog(_attach_projectors(specs, settings, problems), problems)
+
+
+def _attach_projectors(
+    specs: list[ModelSpec], settings: Settings, problems: list[Problem]
+) -> list[ModelSpec]:
+    """Give vision to the LLMs with a projector: named in ``model_projectors``, else found
+    beside them. An unreadable projector is a problem; its model stays a text model."""
+    named: dict[str, Path] = {}
+    for item in settings.model_projectors:
+        model_id, _, text = item.partition("=")
+        named[model_id.strip()] = Path(text.strip()).expanduser()
+    known = {s.id for s in specs}
+    for model_id, path in named.items():
+        if model_id not in known:
+            problems.append(Problem(path, f"model_projectors names {model_id!r}: no such model"))
+    out = []
+    for spec in specs:
+        where_ = named.get(spec.id) or (spec.gguf.mmproj if spec.gguf is not None else None)
+        if where_ is not None and spec.kind == ModelKind.LLM:
+            try:
+                spec = replace(spec, projector=read_projector(where_))
+            except InvalidModel as exc:
+                problems.append(Problem(where_, f"projector of {spec.id}: {exc.message}"))
+            except OSError as exc:
+                problems.append(Problem(where_, f"cannot read: {exc.strerror or exc}"))
+        out.append(spec)
+    return out

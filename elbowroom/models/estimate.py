@@ -38,6 +38,7 @@ from elbowroom.config import KV_TYPES
 from elbowroom.errors import BadRequest
 from elbowroom.memory.types import ProcessMemory
 from elbowroom.models.spec import Footprint, GGUFInfo, ModelSpec
+from elbowroom.models.vision import extra_footprint
 from elbowroom.units import MiB
 
 if TYPE_CHECKING:
@@ -255,6 +256,12 @@ def _llm_footprint(
         + working
     )
     tensors = info.tensor_bytes or spec.size_bytes
+    if spec.projector is not None:
+        # The projector's weights and encoder: anonymous; its working part appears with
+        # the first image (models/vision.py).
+        cost = extra_footprint(spec.projector, info.n_embd)
+        working += cost.working
+        overhead += cost.at_load + cost.working
     return Footprint(
         weights=spec.size_bytes,
         file_backed=tensors + LLAMA_RUNTIME_FILE,

@@ -313,16 +313,10 @@ def _file_type(value: int | None) -> str | None:
 
 
 def _find_mmproj(path: Path) -> Path | None:
-    """A multimodal projector beside the model: llama.cpp's convention is mmproj-*.gguf."""
-    try:
-        siblings = sorted(path.parent.iterdir())
-    except OSError:
-        return None
-    for sibling in siblings:
-        name = sibling.name.lower()
-        if sibling != path and name.startswith("mmproj") and name.endswith(".gguf"):
-            return sibling
-    return None
+    """The multimodal projector beside the model (models/vision.py has the name rule)."""
+    from elbowroom.models.vision import projector_beside  # vision reads headers with us
+
+    return projector_beside(path)
 
 
 def is_mmproj(path: Path) -> bool:

@@ -73,6 +73,28 @@ class GGUFInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class Projector:
+    """A multimodal projector (``mmproj`` GGUF) that gives an LLM vision: a ViT encoder and
+    the map from its features into the text model's embeddings (models/vision.py)."""
+
+    path: Path
+    projector_type: str  # clip.projector_type: gemma3, idefics3, mlp (llava), ...
+    image_size: int  # pixels per side the encoder sees (one tile)
+    patch_size: int
+    n_embd: int  # the encoder's width
+    n_ff: int
+    n_layer: int
+    n_head: int
+    merge: int  # patches merged per side into one image token (1: none)
+    weight_bytes: int  # tensor bytes: clip.cpp reads them into anonymous memory
+    image_tokens: int  # tokens one image becomes (a one-tile estimate for tiling types)
+
+    @property
+    def n_patches(self) -> int:
+        return (self.image_size // max(1, self.patch_size)) ** 2
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
     id: str  # stable, URL-safe: [a-z0-9][a-z0-9._-]*
     kind: ModelKind
@@ -85,12 +107,21 @@ class ModelSpec:
     description: str = ""
     # Engine-specific extra files or values (e.g. "tokenizer": path, "config": path).
     options: Mapping[str, str] = field(default_factory=dict)
+    projector: Projector | None = None  # vision: the mmproj paired with this LLM
+
+    @property
+    def vision(self) -> bool:
+        return self.projector is not None
 
     @property
     def identity(self) -> str:
         """Identity of the weights on disk: changes when the file is replaced."""
         st = self.path.stat()
-        return f"{self.path.resolve()}:{st.st_size}:{int(st.st_mtime)}"
+        identity = f"{self.path.resolve()}:{st.st_size}:{int(st.st_mtime)}"
+        if self.projector is not None:  # a vision model holds more than its text model
+            pst = self.projector.path.stat()
+            identity += f"+{self.projector.path.resolve()}:{pst.st_size}:{int(pst.st_mtime)}"
+        return identity
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,8 +2,10 @@
 
 Size the load (``sizing.plan_load``), place it on the GPUs (``offload_plan.place_on_gpus``)
 and ask the policy (``policy.decide``), all over a ``policy.State`` built from a memory
-sample by ``budget_state``. The CLI calls the same functions with no models loaded, so
-`plan` and the server cannot disagree. Pure given its inputs.
+sample by ``budget_state``. A vision model is sized and placed inside the vision gate
+(``vision_gate.sizing_state``); the policy still sees the whole budget. The CLI calls the
+same functions with no models loaded, so `plan` and the server cannot disagree. Pure given
+its inputs.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Sequence
 from elbowroom.config import Settings
 from elbowroom.memory.pools import Pool
 from elbowroom.models.spec import ModelSpec
-from elbowroom.scheduler import offload_plan, policy
+from elbowroom.scheduler import offload_plan, policy, vision_gate
 from elbowroom.scheduler.inputs import Estimator, Measurements
 from elbowroom.scheduler.sizing import Plan, plan_load
 
@@ -36,8 +38,11 @@ def plan_and_decide(
     pools: Sequence[Pool],
     estimate: Estimator,
     measured: Measurements | None,
+    pool_limit: int,
 ) -> tuple[Plan, policy.Decision]:
-    """The sized and placed plan for loading ``spec`` now, and what the policy says."""
-    plan = plan_load(spec, settings, state, estimate, measured)
-    plan = offload_plan.place_on_gpus(plan, spec, settings, state, pools)
+    """The sized and placed plan for loading ``spec`` now, and what the policy says.
+    ``pool_limit``: the memory limit (not the load ceiling) the vision gate is a share of."""
+    sized = vision_gate.sizing_state(state, spec, settings, pool_limit)
+    plan = plan_load(spec, settings, sized, estimate, measured)
+    plan = offload_plan.place_on_gpus(plan, spec, settings, sized, pools)
     return plan, policy.decide(state, plan.request)

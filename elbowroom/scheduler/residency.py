@@ -32,7 +32,7 @@ from elbowroom.memory.monitor import Monitor, Sample
 from elbowroom.memory.types import Probe, Snapshot
 from elbowroom.models.spec import Holding, ModelSpec
 from elbowroom.runtime.protocol import Runner, RunnerFactory
-from elbowroom.scheduler import offload_plan, policy
+from elbowroom.scheduler import offload_plan, policy, vision_gate
 from elbowroom.scheduler.events import EventLog
 from elbowroom.scheduler.inputs import Estimator, Measurements
 from elbowroom.scheduler.lanes import Lanes
@@ -169,16 +169,33 @@ class Residency:
     async def _make_room(self, spec: ModelSpec) -> Plan:
         """Evict or wait until ``spec`` fits; raise InsufficientMemory when it never will."""
         wait_deadline: float | None = None
+        gated = False
         await self._wait_unpaused(spec.id)
         while True:
             await self.drain_stops()
             sample, state, plan, decision = self.consider(spec)
+            if not gated:  # the vision gate: 507 for a vision model above it, else a warning
+                gated = True
+                try:
+                    vision_gate.check(spec, plan, self.settings, sample.limit.value)
+                except InsufficientMemory:
+                    self.counters["refusals_507"] += 1
+                    raise
             if isinstance(decision, policy.Admit):
                 return plan
             if isinstance(decision, policy.Refuse):
                 raise self._refusal(decision)
             if isinstance(decision, policy.Evict):
-                await self._evict(decision, sample.snapshot, for_model=spec.id)
+                snap = sample.snapshot
+                freed = await self._evict(decision, snap, for_model=spec.id)
+                if spec.vision:
+                    await self._settle().vision(
+                        spec.id,
+                        plan.request.needed,
+                        snap.available,
+                        freed,
+                        self.settings.vision_settle_factor,
+                    )
                 continue
             now = self._clock()
             if wait_deadline is None:
@@ -194,7 +211,13 @@ class Residency:
         sample = self.observe()
         state = self.state()
         plan, decision = plan_and_decide(
-            spec, self.settings, state, sample.pools, self._estimate, self._measured
+            spec,
+            self.settings,
+            state,
+            sample.pools,
+            self._estimate,
+            self._measured,
+            sample.limit.value,
         )
         return sample, state, plan, decision
 
@@ -278,7 +301,9 @@ class Residency:
 
     # ------------------------------------------------------------------ unloading
 
-    async def _evict(self, decision: policy.Evict, before: Snapshot, *, for_model: str) -> None:
+    async def _evict(self, decision: policy.Evict, before: Snapshot, *, for_model: str) -> int:
+        """Stop ``decision.ids`` and wait for their memory; returns the anonymous bytes
+        expected back."""
         expected = 0
         stops = []
         for model_id in decision.ids:
@@ -297,9 +322,13 @@ class Residency:
             [self._model_pools(self.loaded[i]) for i in decision.ids if i in self.loaded]
         )
         await asyncio.gather(*stops)
-        waiter = Settle(self._probe, self._clock, self._sleep, self.settings.unload_settle_timeout)
+        waiter = self._settle()
         await waiter.host(before.available, expected)
         await waiter.gpus(before, gpu_expected)
+        return expected
+
+    def _settle(self) -> Settle:
+        return Settle(self._probe, self._clock, self._sleep, self.settings.unload_settle_timeout)
 
     def begin_stop(self, rec: Loaded, reason: str) -> asyncio.Task[None]:
         """Mark ``rec`` STOPPING now (no await: nothing can pick it meanwhile) and stop it

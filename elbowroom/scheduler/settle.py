@@ -3,7 +3,8 @@
 A runner that exited has freed its bytes, but the probe may not show them yet: the kernel
 reclaims a dead process's pages a moment later, and NVML reports VRAM the driver hands back
 later still. A load sized before then would be sized short, so the scheduler waits until
-the expected share is back (or the settle timeout passes, logged).
+the expected share is back (or the settle timeout passes, logged). Switching to a vision
+model waits for a larger margin on top (``vision``; scheduler/vision_gate.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from elbowroom.memory.types import Probe, Snapshot
+from elbowroom.scheduler import vision_gate
 from elbowroom.units import format_size
 
 __all__ = ["POLL", "Settle", "Sleep"]
@@ -48,6 +50,26 @@ class Settle:
                     self.timeout,
                     format_size(available),
                     format_size(target),
+                )
+                return
+            await self.sleep(POLL)
+
+    async def vision(
+        self, model_id: str, needed: int, before: int, freed: int, factor: float
+    ) -> None:
+        """Switching to a vision model: wait for the larger margin (scheduler/vision_gate.py)."""
+        target = vision_gate.settle_target(needed, factor, before, freed)
+        deadline = self.clock() + self.timeout
+        while (available := self.probe().available) < target:
+            if self.clock() >= deadline:
+                log.warning(
+                    "loading vision model %s: %s available after the eviction, not the %s "
+                    "(%.1f x its %s) the vision settle waits for; going on",
+                    model_id,
+                    format_size(available),
+                    format_size(target),
+                    factor,
+                    format_size(needed),
                 )
                 return
             await self.sleep(POLL)

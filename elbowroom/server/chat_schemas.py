@@ -104,6 +104,9 @@ class ChatMessage(BaseModel):
                     )
         return self
 
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(p.type == "image_url" for p in self.content)
+
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -116,6 +119,16 @@ class ChatMessage(BaseModel):
         which llama.cpp's chat templates know."""
         role = "system" if self.role == "developer" else self.role
         msg: dict[str, Any] = {"role": role, "content": self.text()}
+        if self.has_images():
+            # Vision: text and images in order, as OpenAI parts (server/images.py has checked
+            # every image and made its url a data: URL).
+            msg["content"] = [
+                {"type": "image_url", "image_url": {"url": (p.image_url or {}).get("url")}}
+                if p.type == "image_url"
+                else {"type": "text", "text": p.text or ""}
+                for p in self.content or ()
+                if isinstance(p, ContentPart) and p.type in ("text", "image_url")
+            ]
         if self.tool_calls:
             msg["tool_calls"] = [call.model_dump() for call in self.tool_calls]
             if self.content is None:

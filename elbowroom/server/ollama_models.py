@@ -62,7 +62,7 @@ def capabilities(spec: ModelSpec) -> list[str]:
     if spec.kind is ModelKind.LLM:
         # Tools work on every LLM: natively through a template that knows them, else
         # emulated with a JSON schema (docs/api.md).
-        return ["completion", "tools"]
+        return ["completion", "tools", *(["vision"] if spec.vision else [])]
     return []
 
 

@@ -29,6 +29,7 @@ from elbowroom.server import ollama_shapes as shapes
 from elbowroom.server.deps import Services, get_services, parse_keep_alive
 from elbowroom.server.embeddings_routes import check_inputs
 from elbowroom.server.errors import validation_to_bad_request
+from elbowroom.server.images import check_chat_images
 from elbowroom.server.metrics import record_tokens
 from elbowroom.server.model_calls import run_once
 from elbowroom.server.ollama_reply import NdjsonStream, Reply, Timing, stream_reply
@@ -263,6 +264,8 @@ async def _text(
 ) -> Response:
     openai["model"] = spec.id
     validated = _validated(kind, openai)
+    if isinstance(validated, ChatCompletionRequest):
+        await check_chat_images(services, validated)  # vision: before any load or engine work
     _, num_ctx = shapes.options_to_openai(body.options)
     await _check_num_ctx(services, spec, num_ctx)
     settings = services.settings

@@ -212,14 +212,20 @@ def response_format(fmt: str | dict[str, Any] | None) -> dict[str, Any] | None:
     )
 
 
-def _no_images(images: list[Any] | None, where: str) -> None:
-    if images:
-        raise BadRequest(
-            f"{where}: images are not supported yet (elbowroom serves no vision model); "
-            "send text only",
-            param="images",
-            code="images_not_supported",
-        )
+def _with_images(text: str, images: list[Any] | None, where: str) -> str | list[dict[str, Any]]:
+    """A message's content with Ollama's ``images`` (base64, no data: prefix) as OpenAI
+    image parts; server/images.py checks them and sets the media type it finds."""
+    if not images:
+        return text
+    parts: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
+    for k, image in enumerate(images):
+        if not isinstance(image, str):
+            raise BadRequest(
+                f"{where}[{k}] must be a base64 string", param="images", code="invalid_image"
+            )
+        url = image if image.startswith("data:") else f"data:image/*;base64,{image}"
+        parts.append({"type": "image_url", "image_url": {"url": url}})
+    return parts
 
 
 def _common_fields(body: _Common) -> dict[str, Any]:
@@ -245,8 +251,8 @@ def chat_to_openai(body: ChatBody) -> dict[str, Any]:
     messages: list[dict[str, Any]] = []
     call_ids: dict[str, str] = {}  # tool name -> id of its latest call, for tool results
     for i, m in enumerate(body.messages):
-        _no_images(m.images, f"messages[{i}]")
-        out: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+        content = _with_images(m.content or "", m.images, f"messages[{i}].images")
+        out: dict[str, Any] = {"role": m.role, "content": content}
         if m.tool_calls:
             out["tool_calls"] = []
             for j, call in enumerate(m.tool_calls):
@@ -280,7 +286,12 @@ def chat_to_openai(body: ChatBody) -> dict[str, Any]:
 def generate_to_openai(body: GenerateBody) -> tuple[Literal["chat", "completion"], dict[str, Any]]:
     """Ollama /api/generate as an OpenAI request: the prompt goes through the model's chat
     template (as Ollama does) unless ``raw``, which sends it as it is."""
-    _no_images(body.images, "images")
+    if body.images and body.raw:
+        raise BadRequest(
+            "raw mode does not support images: leave raw out so the model's chat template "
+            "places them",
+            param="images",
+        )
     if body.template:
         raise BadRequest(
             "template is not supported: elbowroom renders prompts with the model's own chat "
@@ -303,8 +314,10 @@ def generate_to_openai(body: GenerateBody) -> tuple[Literal["chat", "completion"
         if body.logprobs:
             raise BadRequest("raw mode does not support logprobs", param="logprobs")
         return "completion", {**fields, "prompt": prompt}
-    messages = [{"role": "system", "content": body.system}] if body.system else []
-    messages.append({"role": "user", "content": prompt})
+    messages: list[dict[str, Any]] = (
+        [{"role": "system", "content": body.system}] if body.system else []
+    )
+    messages.append({"role": "user", "content": _with_images(prompt, body.images, "images")})
     return "chat", {**fields, "messages": messages}
 
 

@@ -13,9 +13,11 @@ from fastapi.responses import JSONResponse, Response
 
 from elbowroom.errors import BadRequest, ElbowroomError
 from elbowroom.models.spec import ModelKind, ModelSpec
+from elbowroom.models.vision import capabilities
 from elbowroom.server.deps import get_services, parse_keep_alive
 from elbowroom.server.direct import open_direct
 from elbowroom.server.errors import public_error
+from elbowroom.server.images import check_chat_images
 from elbowroom.server.metrics import record_tokens
 from elbowroom.server.schemas import ChatCompletionRequest, CompletionRequest
 from elbowroom.server.shapes import Envelope, Kind, Logprobs
@@ -52,6 +54,7 @@ def model_card(spec: ModelSpec) -> dict[str, Any]:
         "owned_by": "elbowroom",
         "kind": str(spec.kind),
         "engine": spec.engine,
+        "capabilities": capabilities(spec),
     }
 
 
@@ -70,6 +73,7 @@ async def get_model(request: Request, model_id: str) -> dict[str, Any]:
 
 @router.post("/chat/completions")
 async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+    await check_chat_images(get_services(request), body)  # vision: before any engine work
     messages = [m.to_engine() for m in body.messages]
     return await _generate(request, body, "chat", {"messages": messages})
 
@@ -171,8 +175,9 @@ def _text_model(catalog: Any, model_id: str) -> ModelSpec:
 
 # Content parts a model could only read with an ear or an eye elbowroom does not have yet.
 _UNREADABLE_PARTS = {
-    "image_url": "has no vision: image_url content parts need a vision model, and elbowroom "
-    "serves none yet. Send the text only.",
+    "image_url": "has no vision: image_url content parts need a vision model (an LLM with "
+    "its mmproj projector beside it; docs/models.md#vision). GET /v1/models shows which "
+    "models have vision. Send the text only, or choose a vision model.",
     "input_audio": "cannot hear: transcribe the audio first (POST /v1/audio/transcriptions) "
     "and send the text.",
     "file": "cannot read file parts: send the file's text as a text part.",
@@ -185,7 +190,9 @@ def _check_for_model(spec: ModelSpec, body: ChatCompletionRequest | CompletionRe
     if isinstance(body, ChatCompletionRequest):
         for i, msg in enumerate(body.messages):
             for j, part in enumerate(msg.content if isinstance(msg.content, list) else ()):
-                if part.type in _UNREADABLE_PARTS:
+                if part.type in _UNREADABLE_PARTS and not (
+                    part.type == "image_url" and spec.vision
+                ):
                     raise BadRequest(
                         f"The model {spec.id!r} {_UNREADABLE_PARTS[part.type]}",
                         param=f"messages[{i}].content[{j}].type",

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from gguf_files import write_gguf
+from vision_gguf import write_projector
 
 from elbowroom.config import Settings
 from elbowroom.errors import ModelNotFound
@@ -36,7 +37,7 @@ def models(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path
     write_gguf(root / "a" / "Tiny.gguf")
     write_gguf(root / "b" / "tiny.gguf")  # same id as a/Tiny.gguf -> suffixed
     write_gguf(root / "vision" / "llava.gguf")
-    write_gguf(root / "vision" / "mmproj-llava-f16.gguf", arch="clip")
+    write_projector(root / "vision" / "mmproj-llava-f16.gguf", text_embd=64, image_size=224)
     touch(root / "whisper-base" / "model.bin", b"w" * 1000)
     touch(root / "whisper-base" / "config.json", b"{}")
     touch(root / "whisper-base" / "vocabulary.txt", b"v" * 10)
@@ -105,6 +106,8 @@ def test_mmproj_is_attached_not_listed(catalog: Catalog, models: Path) -> None:
     assert (
         llava.gguf is not None and llava.gguf.mmproj == models / "vision" / "mmproj-llava-f16.gguf"
     )
+    assert llava.vision and llava.projector is not None
+    assert llava.projector.projector_type == "gemma3" and llava.projector.image_tokens == 64
 
 
 def test_split_model_listed_once_with_all_shards(catalog: Catalog, models: Path) -> None:

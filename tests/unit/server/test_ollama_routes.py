@@ -119,7 +119,7 @@ def test_errors_have_ollama_shape_and_elbowroom_statuses(harness: Harness) -> No
             "/api/chat",
             {"model": "smollm2-135m", "messages": [{"role": "user", "images": ["aGk="]}]},
             400,
-            "images are not supported",
+            "has no vision",
         ),
         (
             "POST",

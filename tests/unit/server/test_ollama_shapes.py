@@ -97,15 +97,31 @@ def test_chat_translation_carries_tools_and_tool_results() -> None:
     assert out["messages"][2]["tool_call_id"] == call["id"]
 
 
-def test_images_and_unsupported_generate_fields_are_400() -> None:
+def test_images_become_image_parts() -> None:
     chat = shapes.ChatBody.model_validate(
         {"model": "m", "messages": [{"role": "user", "content": "?", "images": ["aGk="]}]}
     )
+    content = shapes.chat_to_openai(chat)["messages"][0]["content"]
+    # The media type is set by server/images.py once the bytes are checked.
+    assert content == [
+        {"type": "text", "text": "?"},
+        {"type": "image_url", "image_url": {"url": "data:image/*;base64,aGk="}},
+    ]
+    gen = shapes.GenerateBody.model_validate({"model": "m", "prompt": "", "images": ["aGk="]})
+    kind, out = shapes.generate_to_openai(gen)
+    assert kind == "chat" and out["messages"][0]["content"][0]["type"] == "image_url"
     with pytest.raises(BadRequest) as info:
-        shapes.chat_to_openai(chat)
-    assert info.value.param == "images" and "not supported" in info.value.message
+        shapes.chat_to_openai(
+            shapes.ChatBody.model_validate(
+                {"model": "m", "messages": [{"role": "user", "content": "?", "images": [3]}]}
+            )
+        )
+    assert info.value.param == "images"
+
+
+def test_unsupported_generate_fields_are_400() -> None:
     for extra in (
-        {"images": ["aGk="]},
+        {"images": ["aGk="], "raw": True},
         {"template": "{{ .Prompt }}"},
         {"context": [1, 2]},
         {"suffix": "end"},
