@@ -15,7 +15,8 @@ slot and the question would not arise).
   starts a new one on the same cache folder; the first step is measured.
 - swap: ``ELBOWROOM_OVERRIDE_MEMORY`` leaves room for one LLM; A (SmolLM2, the long prompt)
   → B (gemma3-270m) evicts A → A again. Its TTFT is compared with A's reload time plus two
-  warm hits (the issue's target).
+  warm hits (the issue's target), reload time read two ways: the runner's load alone, and
+  A's first token when it comes back with a short prompt (B → A with nothing to restore).
 
 Every configuration runs in each round (interleaved), ``--rounds`` rounds (>= 7 for a
 recording), medians with min-max, the load average before and after each round.
@@ -131,12 +132,18 @@ def run_round(
         loaded = [r["id"] for r in server.ps()]
         back, cached = ttft(server, A, step(3000 + i))
         reload_s = next(r["load_seconds"] for r in server.ps() if r["id"] == A)
+        # A's return with nothing to restore: B again (evicts A, saving its slot), then A
+        # with a short prompt. Its first token is the cost of the swap itself (B out, A in,
+        # one short prefill), which the KV cache cannot change.
+        ttft(server, B, OTHER)
+        bare, _ = ttft(server, A, OTHER)
         out["swap"].append(
             {
                 "ttft": back,
                 "cached": cached,
                 "warm": warm,
                 "reload": reload_s,
+                "reload_ttft": bare,
                 "evicted": A not in loaded,
             }
         )
@@ -177,11 +184,22 @@ def report(out: dict[str, Any], rounds: list[dict[str, str]]) -> str:
     reload_m = statistics.median(r["reload"] for r in swap)
     warm_m = statistics.median(r["warm"] for r in swap)
     target = reload_m + 2 * warm_m
+    bare = [r["reload_ttft"] for r in swap if "reload_ttft" in r]
+    bare_m = statistics.median(bare) if bare else float("nan")
+    swap_target = bare_m + 2 * warm_m
     lines += [
         "",
-        "Swap: A's reload "
-        f"{reload_m * 1000:.0f} ms, warm hit {warm_m * 1000:.0f} ms (medians); A was evicted by B "
-        f"in {sum(r['evicted'] for r in swap)}/{len(swap)} rounds.",
+        "Swap: A's runner loads in "
+        f"{reload_m * 1000:.0f} ms; A's first token when it comes back with a short prompt "
+        f"(B evicted, A loaded, nothing to restore) {summary(bare) if bare else '—'}; warm hit "
+        f"{warm_m * 1000:.0f} ms (medians); A was evicted by B in "
+        f"{sum(r['evicted'] for r in swap)}/{len(swap)} rounds.",
+        "",
+        "The issue's swap target reads \"A's first token after coming back ≤ its reload time + "
+        "2× a warm hit\". Two readings of *reload time*, both reported: the runner's load "
+        "alone (`load_seconds` in `/api/ps`), and A's whole return without a prefix to "
+        "restore (B's eviction and slot save, the settle wait, A's load, a short prefill). "
+        "The second isolates what the KV cache adds to a swap.",
         "",
         "Targets:",
         "",
@@ -189,8 +207,11 @@ def report(out: dict[str, Any], rounds: list[dict[str, str]]) -> str:
         f"faster than recompute: {med['recompute'] / med['ram_hit']:.1f}x",
         f"- {'met' if med['disk_hit'] * 10 <= med['recompute'] else 'NOT met'}: disk hit >= 10x "
         f"faster than recompute: {med['recompute'] / med['disk_hit']:.1f}x",
-        f"- {'met' if med['swap'] <= target else 'NOT met'}: A after the swap <= reload + 2x warm "
-        f"hit: {med['swap'] * 1000:.0f} ms vs {target * 1000:.0f} ms",
+        f"- {'met' if med['swap'] <= target else 'NOT met'}: A after the swap <= runner load + "
+        f"2x warm hit: {med['swap'] * 1000:.0f} ms vs {target * 1000:.0f} ms",
+        f"- {'met' if med['swap'] <= swap_target else 'NOT met'}: A after the swap <= A's return "
+        f"without a prefix + 2x warm hit: {med['swap'] * 1000:.0f} ms vs "
+        f"{swap_target * 1000:.0f} ms",
         "",
         "Load average (1, 5, 15 min) before → after each round:",
         "",

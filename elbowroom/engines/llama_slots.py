@@ -165,6 +165,7 @@ class Slots:
         if cache.stats()["entries_disk"] == 0:
             self._tokens[slot] = ()  # unknown until tokenized: nothing to compare yet
             return 0
+        started = time.perf_counter()
         try:
             tokens = self._prompt_tokens(op, body)
         except (OSError, RuntimeError, ValueError) as exc:
@@ -175,9 +176,19 @@ class Slots:
         self._tokens[slot] = tuple(tokens)
         if hit is None:
             return 0
+        tokenized = time.perf_counter()
         if not cache.restore(hit, lambda blob: self._restore(slot, blob)):
             return 0
         self.restored_tokens += hit.n_tokens
+        log.info(
+            "KV disk tier: restored %d tokens (%.1f MiB) into slot %d in %.0f ms "
+            "(+%.0f ms to tokenize the prompt)",
+            hit.n_tokens,
+            hit.nbytes / (1 << 20),
+            slot,
+            (time.perf_counter() - tokenized) * 1000,
+            (tokenized - started) * 1000,
+        )
         return int(hit.n_tokens)
 
     def observe_prefill(self, timings: dict[str, Any]) -> None:
