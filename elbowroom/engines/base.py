@@ -59,6 +59,10 @@ def create_engine(name: str) -> Engine:
         from elbowroom.engines.llama import LlamaEngine
 
         return LlamaEngine()
+    if name == "llama-rpc":  # a model split over nodes (docs/cluster.md)
+        from elbowroom.engines.llama_rpc import RpcLlamaEngine
+
+        return RpcLlamaEngine()
     if name == "whisper":
         from elbowroom.engines.whisper import WhisperEngine
 

@@ -166,7 +166,7 @@ class LlamaEngine:
             raise EngineError(f"cannot load {spec.id}: {spec.path} is not a readable file")
         with _CapturedStderr() as log_tail:
             try:
-                self._server = xllamacpp.Server(params)
+                self._server = self._start_server(params)
             except RuntimeError as exc:
                 failure: RuntimeError | None = exc
             else:
@@ -193,6 +193,12 @@ class LlamaEngine:
             "engine": f"xllamacpp {version}",
             "vision": spec.projector is not None,
         }
+
+    def _start_server(self, params: Any) -> Any:
+        """The engine for ``params``; a split model's engine (llama_rpc) overrides it."""
+        import xllamacpp
+
+        return xllamacpp.Server(params)
 
     def _props(self) -> dict[str, Any]:
         assert self._control is not None

@@ -250,6 +250,12 @@ class Scheduler:
         """Requests running now, oldest first."""
         return sorted(self._inflight.values(), key=lambda r: r.started_at)
 
+    def preview(self, model_id: str) -> tuple[policy.Decision, policy.LoadRequest]:
+        """What a load of ``model_id`` would meet here now, without acting on it: the
+        cluster (elbowroom.cluster) compares its nodes' answers to place a model."""
+        _, _, plan, decision = self.residency.consider(self._catalog.get(model_id))
+        return decision, plan.request
+
     def pause_loads(self, paused: bool) -> None:
         """The pressure guard pauses new loads under soft pressure; a load waits for the
         resume up to ``settings.load_timeout``, then fails with 503 MemoryPressure."""

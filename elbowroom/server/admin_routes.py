@@ -40,7 +40,23 @@ async def models(request: Request) -> dict[str, Any]:
 async def ps(request: Request) -> dict[str, Any]:
     services = get_services(request)
     rows = await ps_rows(services)
-    return {"models": rows, "memory": summary(services.scheduler.memory_report())}
+    report = services.scheduler.memory_report()
+    out = {"models": rows, "memory": summary(report)}
+    if "nodes" in report:  # over a cluster (docs/cluster.md): each node's numbers
+        out["nodes"] = [node_summary(n) for n in report["nodes"]]
+    return out
+
+
+def node_summary(node: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "name": node.get("name"),
+        "alive": node.get("alive"),
+        "pressure": node.get("pressure"),
+        "available": node.get("available"),
+        "ceiling": node.get("ceiling"),
+        "committed": node.get("committed"),
+        "models": node.get("models", []),
+    }
 
 
 async def ps_rows(services: Services) -> list[dict[str, Any]]:

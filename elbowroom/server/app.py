@@ -130,6 +130,10 @@ async def start_services(settings: Settings, *, probe: Probe | None = None) -> S
     catalog = discover(settings)
     for model_id in (*settings.preload, *settings.pin):
         catalog.get(model_id)  # ModelNotFound names the id
+    if settings.cluster:  # docs/cluster.md; Ray is imported only here
+        from elbowroom.cluster.connect import start_cluster
+
+        return await start_cluster(settings, catalog, _measured_store(settings))
     # The pressure watch listens to this machine's kernel: not for an injected probe.
     default_probe_used = probe is None
     if probe is None:

@@ -178,6 +178,20 @@ def model_view(row: Mapping[str, Any], now_wall: float) -> dict[str, Any]:
         "expires_in": expires_in,
         "kv": kv_summary(stats),
         "restarts": int(row.get("restarts") or 0),
+        "node": row.get("node"),  # over a cluster: where it runs (docs/cluster.md)
+    }
+
+
+def node_view(node: Mapping[str, Any]) -> dict[str, Any]:
+    """One cluster node's numbers (``/api/memory``'s ``nodes``), for the nodes table."""
+    return {
+        "name": node.get("name"),
+        "alive": bool(node.get("alive")),
+        "pressure": node.get("pressure"),
+        "committed": int(node.get("committed") or 0),
+        "available": int(node.get("available") or 0),
+        "ceiling": int(node.get("ceiling") or 0),
+        "models": list(node.get("models") or []),
     }
 
 
@@ -262,6 +276,7 @@ def build(
         },
         "pools": pools(report, rows, latest),
         "models": [model_view(r, now_wall) for r in rows],
+        "nodes": [node_view(n) for n in report.get("nodes") or ()],
         "catalog": [{**m, "loaded": m.get("id") in loaded} for m in catalog],
         "timeline_fields": list(TIMELINE_FIELDS),
         "timeline": timeline(samples, since, now_wall),

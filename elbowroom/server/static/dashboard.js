@@ -129,7 +129,22 @@ function render(data) {
   renderPools(data.pools);
   renderTimeline(data);
   renderModels(data);
+  renderNodes(data.nodes || []);
   renderEvents(data.events);
+}
+
+// ---- cluster nodes (docs/cluster.md) ---------------------------------------------------
+
+function renderNodes(nodes) {
+  document.getElementById("nodes-section").hidden = nodes.length === 0;
+  const rows = nodes.map((n) => el("tr", { "data-node": n.name, "data-alive": String(n.alive) },
+    el("td", {}, el("b", {}, n.name)),
+    el("td", {}, n.alive ? "up" : "gone"),
+    el("td", { "data-level": n.pressure || "" }, n.pressure || "–"),
+    el("td", { class: "num" }, size(n.committed) + " / " + size(n.ceiling)),
+    el("td", { class: "num" }, size(n.available)),
+    el("td", {}, n.models.join(", ") || "–")));
+  document.querySelector("#nodes tbody").replaceChildren(...rows);
 }
 
 // ---- pools ---------------------------------------------------------------------------
@@ -281,7 +296,8 @@ function renderModels(data) {
     const countdown = m.pinned ? "never (pinned)" :
       m.expires_in === null ? "never" : duration(m.expires_in);
     return el("tr", { "data-model": m.id, "data-state": m.state },
-      el("td", {}, el("b", {}, m.id), " ", m.pinned ? el("span", { class: "pin" }, "pinned") : null),
+      el("td", {}, el("b", {}, m.id), " ", m.pinned ? el("span", { class: "pin" }, "pinned") : null,
+        m.node ? el("span", { class: "muted" }, " on " + m.node) : null),
       el("td", {}, m.kind),
       el("td", {}, m.state),
       el("td", { class: "num" }, m.slots_busy + " / " + m.slots),

@@ -244,3 +244,18 @@ def test_watch_renders_the_same_picture_in_a_terminal() -> None:
         "too big",
     ):
         assert words in text, (words, text)
+
+
+def test_cluster_nodes_and_where_each_model_runs() -> None:
+    """Over a cluster (docs/cluster.md) the report has every node; one machine has none."""
+    assert build()["nodes"] == [] and build()["models"][0]["node"] is None
+    nodes = [
+        {"name": "10.0.0.1", "alive": True, "pressure": "normal", "committed": 300 * MiB,
+         "available": GiB, "ceiling": 2 * GiB, "models": ["smollm2-135m"]},
+        {"name": "10.0.0.2", "alive": False},
+    ]  # fmt: skip
+    doc = build(report={**REPORT, "nodes": nodes}, rows=[{**ROW, "node": "10.0.0.1"}])
+    assert doc["models"][0]["node"] == "10.0.0.1"
+    up, gone = doc["nodes"]
+    assert up == {**nodes[0]}
+    assert gone["alive"] is False and gone["models"] == [] and gone["ceiling"] == 0

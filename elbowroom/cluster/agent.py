@@ -1,0 +1,234 @@
+"""The Ray actor on each node: it owns that node's runner processes and reads its memory.
+
+One ``NodeAgent`` per node, pinned there with node affinity. It runs the same code a
+single machine does: ``memory.probe`` for the node's snapshot (host, cgroup, PSI, GPUs;
+``ELBOWROOM_OVERRIDE_MEMORY`` in the node's environment makes it look smaller) and a
+``runtime.supervisor.Supervisor`` per model, whose worker process talks to it over the
+usual pipe. The head reaches a runner through the agent: start, a streamed request, stop,
+stats, pressure; the agent is the relay between Ray and the pipe.
+
+Errors cross as ``ElbowroomError.to_wire`` dicts (never as pickled exceptions), so the
+head raises exactly the error the runner raised. When a runner dies on its own,
+``wait_exit`` returns its cause; when the node dies, the call itself fails on the head.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from elbowroom.cluster.rpc import RpcBindError, rpc_server_args
+from elbowroom.config import Settings
+from elbowroom.errors import ElbowroomError
+from elbowroom.memory.probe import default_probe
+from elbowroom.memory.process import measure_pid
+from elbowroom.memory.types import ZERO_PROCESS_MEMORY, ProcessMemory, Snapshot
+from elbowroom.models.spec import ModelSpec
+from elbowroom.runtime.protocol import Runner
+from elbowroom.runtime.supervisor import Supervisor
+from elbowroom.units import parse_size
+
+OVERRIDE_ENV = "ELBOWROOM_OVERRIDE_MEMORY"
+RPC_HOST_ENV = "ELBOWROOM_RPC_HOST"
+RPC_READY_TIMEOUT = 60.0
+
+
+def node_settings(head: Settings, environ: Mapping[str, str] | None = None) -> Settings:
+    """The head's settings with this node's own memory override and RPC address: a node's
+    environment decides how large it looks and where its RPC server may listen (the
+    head's values describe the head's machine)."""
+    env = os.environ if environ is None else environ
+    raw = env.get(OVERRIDE_ENV)
+    return head.replace(
+        override_memory=parse_size(raw) if raw else None,
+        rpc_host=env.get(RPC_HOST_ENV) or head.rpc_host,
+    )
+
+
+class NodeAgent:
+    def __init__(self, settings: Settings) -> None:
+        self._settings = node_settings(settings)
+        self._probe = default_probe(self._settings)
+        self._runners: dict[str, Supervisor] = {}
+        self._exits: dict[str, asyncio.Future[str | None]] = {}
+        self._rpc: dict[str, subprocess.Popen[bytes]] = {}
+
+    # ---- the node --------------------------------------------------------------------
+
+    async def info(self) -> dict[str, Any]:
+        return {
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "override_memory": self._settings.override_memory,
+        }
+
+    async def poll(self) -> dict[str, Any]:
+        """One reading: the node's snapshot, the agent's own bytes, each runner's bytes."""
+        snap: Snapshot = await asyncio.to_thread(self._probe)
+        try:
+            agent = measure_pid(os.getpid()).anonymous
+        except (ProcessLookupError, OSError):
+            agent = 0
+        runners = {key: sup.measure() for key, sup in self._runners.items()}
+        for key, proc in self._rpc.items():
+            with contextlib.suppress(ProcessLookupError, OSError):
+                runners[key] = measure_pid(proc.pid)
+        return {"snapshot": snap, "agent_bytes": agent, "runners": runners}
+
+    # ---- one runner ------------------------------------------------------------------
+
+    async def start(self, key: str, spec: ModelSpec, options: dict[str, Any]) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        exit_future: asyncio.Future[str | None] = loop.create_future()
+
+        def on_exit(_runner: Runner, cause: str) -> None:
+            if not exit_future.done():
+                exit_future.set_result(cause)
+
+        sup = Supervisor(spec, on_exit, settings=self._settings)
+        self._runners[key] = sup
+        self._exits[key] = exit_future
+        try:
+            ready = await sup.start(options)
+        except ElbowroomError as exc:
+            self._forget(key)
+            return {"error": exc.to_wire(), "state": sup.state.value}
+        return {"ready": ready}
+
+    async def request(
+        self, key: str, kind: str, payload: dict[str, Any]
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Streamed to the head: ``{"item": ...}`` per delta/done, ``{"error": wire}`` last
+        on failure. Cancelled by the head (client gone): the supervisor cancels the work."""
+        sup = self._runners.get(key)
+        if sup is None:
+            yield {"error": _gone(key)}
+            return
+        try:
+            async for item in sup.request(kind, payload):
+                yield {"item": item}
+        except ElbowroomError as exc:
+            yield {"error": exc.to_wire()}
+
+    async def wait_exit(self, key: str) -> str | None:
+        """The cause when the runner dies on its own; None when it was stopped."""
+        fut = self._exits.get(key)
+        if fut is None:
+            return None
+        return await fut
+
+    async def stop(self, key: str, grace: float) -> None:
+        sup = self._runners.get(key)
+        if sup is not None:
+            await sup.stop(grace)
+        fut = self._exits.get(key)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+        self._forget(key)
+
+    async def measure(self, key: str) -> ProcessMemory:
+        sup = self._runners.get(key)
+        return sup.measure() if sup is not None else ZERO_PROCESS_MEMORY
+
+    async def stats(self, key: str) -> dict[str, Any]:
+        sup = self._runners.get(key)
+        return await sup.stats() if sup is not None else {}
+
+    async def set_pressure(self, key: str, level: int) -> None:
+        sup = self._runners.get(key)
+        if sup is not None:
+            sup.set_pressure(level)
+
+    async def shutdown(self, grace: float) -> None:
+        """Stop every runner and RPC server (the head is closing)."""
+        await asyncio.gather(*(self.stop(k, grace) for k in list(self._runners)))
+        await asyncio.gather(*(self.stop_rpc(k, grace) for k in list(self._rpc)))
+
+    # ---- one llama.cpp RPC server (a share of a split model) -----------------------------
+
+    async def start_rpc(self, key: str, binary: str) -> dict[str, Any]:
+        """Start ``rpc-server`` on this node's ``rpc_host`` (loopback or private only) and
+        wait until it accepts connections; ``{"endpoint": "host:port"}`` or an error."""
+        host = self._settings.rpc_host
+        try:
+            port = _free_port(host)
+            args = rpc_server_args(
+                Path(binary), host, port, self._settings.threads or os.cpu_count()
+            )
+        except (RpcBindError, OSError) as exc:
+            return {"error": _engine_error(f"cannot start an RPC server here: {exc}")}
+        if not Path(binary).is_file():
+            return {"error": _engine_error(f"no rpc-server at {binary}: run scripts/rpc_engine.sh")}
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._rpc[key] = proc
+        loop = asyncio.get_running_loop()
+        exit_future: asyncio.Future[str | None] = loop.create_future()
+        self._exits[key] = exit_future
+        deadline = time.monotonic() + RPC_READY_TIMEOUT
+        while not await asyncio.to_thread(_accepts, host, port):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                await self.stop_rpc(key, 1.0)
+                return {"error": _engine_error(f"rpc-server on {host}:{port} did not start")}
+            await asyncio.sleep(0.05)  # a child's port opening: nothing to wait on but it
+
+        async def watch() -> None:
+            code = await asyncio.to_thread(proc.wait)
+            if not exit_future.done():
+                exit_future.set_result(f"rpc-server exited with {code}")
+
+        asyncio.get_running_loop().create_task(watch())
+        return {"endpoint": f"{host}:{port}", "pid": proc.pid}
+
+    async def stop_rpc(self, key: str, grace: float) -> None:
+        proc = self._rpc.pop(key, None)
+        fut = self._exits.pop(key, None)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.to_thread(proc.wait, grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            await asyncio.to_thread(proc.wait)
+
+    def _forget(self, key: str) -> None:
+        self._runners.pop(key, None)
+        self._exits.pop(key, None)
+
+
+def _gone(key: str) -> dict[str, Any]:
+    return {
+        "class": "RunnerCrashed",
+        "message": f"runner {key} is not on this node any more; the next request restarts it",
+        "code": "runner_crashed",
+        "details": {},
+    }
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _accepts(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _engine_error(message: str) -> dict[str, Any]:
+    return {"class": "EngineError", "message": message, "code": "rpc_failed", "details": {}}

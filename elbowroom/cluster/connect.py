@@ -1,0 +1,238 @@
+"""Join a Ray cluster and build the router's per-node services (``serve --cluster``).
+
+Only imported when ``Settings.cluster`` is set: one machine never imports Ray.
+
+For every live Ray node: a ``NodeAgent`` actor pinned there (node affinity, no CPU
+reserved: it only relays), then on the head a ``Scheduler`` fed by that node's probe, a
+``Monitor`` sampling it and a ``PressureGuard`` acting on that node's models. A watcher
+polls every node each ``cluster_poll`` seconds: new readings, nodes that joined (used from
+then on), nodes that left (their models fail over).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any, cast
+
+from elbowroom.cluster.agent import NodeAgent
+from elbowroom.cluster.remote import Node, Reading, _ray_errors
+from elbowroom.cluster.router import ClusterScheduler, NodeEntry
+from elbowroom.config import Settings
+from elbowroom.errors import ElbowroomError
+from elbowroom.scheduler.events import EventLog
+
+if TYPE_CHECKING:
+    from elbowroom.guard.guard import PressureGuard
+    from elbowroom.memory.monitor import Monitor
+    from elbowroom.server.deps import Services
+
+log = logging.getLogger("elbowroom.cluster")
+
+AGENT_START_TIMEOUT = 60.0
+
+
+class ClusterError(ElbowroomError):
+    """The cluster cannot be joined; the message names the address and the fix."""
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+    except ImportError as exc:
+        raise ClusterError(
+            "--cluster needs Ray: pip install 'elbowroom[cluster]' (on every node)"
+        ) from exc
+    return ray
+
+
+def join(address: str) -> Any:
+    ray = _import_ray()
+    if not ray.is_initialized():
+        try:
+            ray.init(
+                address=address,
+                namespace="elbowroom",
+                log_to_driver=False,
+                configure_logging=False,
+            )
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise ClusterError(
+                f"cannot join the Ray cluster at {address!r}: {exc}. Start one with "
+                "`ray start --head` (docs/cluster.md), or give its address"
+            ) from exc
+    return ray
+
+
+def _names(nodes: list[dict[str, Any]]) -> dict[str, str]:
+    """node id -> its address, or address/id-prefix where several nodes share one."""
+    ips = [n["NodeManagerAddress"] for n in nodes]
+    return {
+        n["NodeID"]: (
+            n["NodeManagerAddress"]
+            if ips.count(n["NodeManagerAddress"]) == 1
+            else f"{n['NodeManagerAddress']}/{n['NodeID'][:6]}"
+        )
+        for n in nodes
+    }
+
+
+class ClusterServices:
+    """The router plus what keeps it current; ``build`` makes it, ``close`` ends it."""
+
+    def __init__(self, settings: Settings, catalog: Any, measured: Any) -> None:
+        self.settings = settings
+        self._catalog = catalog
+        self._measured = measured
+        self.events = EventLog()
+        self.router = ClusterScheduler(settings, catalog, events=self.events)
+        self._watcher: asyncio.Task[None] | None = None
+        self._ray: Any = None
+
+    async def build(self) -> ClusterScheduler:
+        assert self.settings.cluster is not None
+        self._ray = await asyncio.to_thread(join, self.settings.cluster)
+        await self._discover()
+        if not self.router.live():
+            raise ClusterError(f"the Ray cluster at {self.settings.cluster!r} has no live node")
+        self.router.closer = self.close
+        await self.router.start()
+        self._watcher = asyncio.create_task(self._watch(), name="elbowroom-cluster-watch")
+        return self.router
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+        for e in self.router.nodes.values():
+            if e.monitor is not None:
+                await asyncio.to_thread(e.monitor.stop)
+            if e.guard is not None:
+                await e.guard.close()
+        await self.router.close_schedulers()
+        for e in self.router.live():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(e.node.agent.shutdown.remote(self.settings.stop_grace), 30)
+            with contextlib.suppress(Exception):
+                self._ray.kill(e.node.agent)
+
+    # ---- membership ------------------------------------------------------------------
+
+    async def _discover(self) -> None:
+        ray_nodes = [n for n in await asyncio.to_thread(self._ray.nodes) if n.get("Alive")]
+        alive_ids = {n["NodeID"] for n in ray_nodes}
+        for entry in list(self.router.nodes.values()):
+            if entry.node.alive and entry.node.id not in alive_ids:
+                entry.node.mark_gone(f"node {entry.node.name} left the cluster")
+        names = _names(ray_nodes)
+        for n in ray_nodes:
+            known = self.router.nodes.get(n["NodeID"])
+            if known is not None and known.node.alive:
+                continue
+            if known is not None:  # its agent died but the node is back: start afresh
+                await self._retire(known)
+            try:
+                node = await self._start_node(n["NodeID"], names[n["NodeID"]])
+            except Exception as exc:
+                log.error("node %s: cannot start its agent: %s", names[n["NodeID"]], exc)
+                continue
+            self.router.add(await self._services_for(node))
+
+    async def _start_node(self, node_id: str, name: str) -> Node:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        actor_cls = self._ray.remote(NodeAgent)
+        agent = actor_cls.options(
+            num_cpus=0,
+            max_restarts=0,
+            max_concurrency=1000,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        ).remote(self.settings)
+        data = await asyncio.wait_for(agent.poll.remote(), AGENT_START_TIMEOUT)
+        reading = Reading(data["snapshot"], data["agent_bytes"], data["runners"])
+        node = Node(node_id, name, agent, reading)
+        node.on_gone(lambda gone: self.router.node_gone(gone.id))
+        log.info("node %s joined (%s)", name, node_id)
+        return node
+
+    async def _services_for(self, node: Node) -> NodeEntry:
+        from elbowroom.guard.adapter import SchedulerTarget
+        from elbowroom.guard.guard import PressureGuard
+        from elbowroom.scheduler.loop import Scheduler
+
+        # Preloads and pins are placed by the router, not loaded on every node.
+        per_node = self.settings.replace(preload=(), pin=(), override_memory=None)
+        scheduler = Scheduler(
+            per_node,
+            self._catalog,
+            probe=node.snapshot,
+            runner_factory=node.runner_factory,
+            measured=self._measured,
+            server_usage=node.agent_bytes,
+            events=self.events,
+        )
+        # The node scheduler's monitor samples that node's reading (its own usage: the
+        # node's runners as the node measured them, plus the agent).
+        monitor = scheduler.monitor
+        guard = PressureGuard(
+            SchedulerTarget(scheduler),
+            enabled=self.settings.memory_guard,
+            budget=monitor.cfg,
+            horizon=self.settings.pressure_horizon,
+        )
+        monitor.subscribe(guard.on_sample)
+        # No fast kernel watch (pressure_events): that node's kernel is not this one's; its
+        # readings come every cluster_poll seconds.
+        await guard.start()
+        monitor.start()
+        return NodeEntry(node, scheduler, guard=guard, monitor=monitor)
+
+    async def _retire(self, entry: NodeEntry) -> None:
+        if entry.monitor is not None:
+            await asyncio.to_thread(entry.monitor.stop)
+        if entry.guard is not None:
+            await entry.guard.close()
+        with contextlib.suppress(Exception):
+            await entry.scheduler.close()
+        self.router.nodes.pop(entry.node.id, None)
+
+    async def _watch(self) -> None:
+        rounds = 0
+        while True:
+            await asyncio.sleep(self.settings.cluster_poll)
+            live = self.router.live()
+            await asyncio.gather(*(e.node.refresh() for e in live), return_exceptions=True)
+            rounds += 1
+            if rounds % 10 == 0 or any(not e.node.alive for e in live):
+                try:
+                    await self._discover()
+                except _ray_errors() as exc:
+                    log.warning("cluster membership check failed: %r", exc)
+                except Exception:
+                    log.exception("cluster membership check failed")
+
+
+async def start_cluster(settings: Settings, catalog: Any, measured: Any) -> Services:
+    """The server's services over a Ray cluster (``server.app.start_services``)."""
+    from elbowroom.cluster.views import ClusterGuard, ClusterMonitor
+    from elbowroom.server.deps import Services
+
+    cluster = ClusterServices(settings, catalog, measured)
+    try:
+        router = await cluster.build()
+        # The views have the monitor's and the guard's surface the server reads (duck
+        # types over every node's own monitor and guard), not their classes.
+        monitor = cast("Monitor", ClusterMonitor(router))
+        guard = cast("PressureGuard", ClusterGuard(router))
+        services = Services(settings, catalog, router, monitor=monitor, guard=guard)
+        for model_id in settings.pin:
+            try:
+                await router.load(model_id, pin=True)
+            except ElbowroomError as exc:
+                log.error("cannot load pinned model %s: %s", model_id, exc.message)
+    except BaseException:
+        await cluster.close()
+        raise
+    return services

@@ -1,0 +1,380 @@
+"""The cluster's scheduler: one ``Scheduler`` per node, and the placement between them.
+
+Each node keeps the single-machine rules unchanged (its own budget from its own probe,
+byte-based eviction, refusals, crash backoff, its own pressure guard). This router only
+decides which node a model lives on (``placement.choose`` over every node's
+``Scheduler.preview``), remembers it, and routes requests there. It has the public surface
+the server uses of ``scheduler.loop.Scheduler`` (use, load, unload, ps, memory_report, ...).
+
+A model stays on its node until it is unloaded there or the node is gone; then its next
+request places it again. A node under hard pressure refuses new work for its models (503,
+its guard's message) while other nodes keep serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from elbowroom.cluster.placement import ClusterRefusal, NodeOption, choose
+from elbowroom.cluster.pressure import cluster_pressure
+from elbowroom.cluster.split import SplitError
+from elbowroom.cluster.splitter import (
+    RunningSplit,
+    free_bytes,
+    plan_split,
+    start_split,
+    stop_split,
+)
+from elbowroom.config import Settings
+from elbowroom.errors import ElbowroomError, InsufficientMemory
+from elbowroom.memory.types import Pressure
+from elbowroom.runtime.protocol import Runner
+from elbowroom.scheduler.events import EventLog
+from elbowroom.scheduler.loop import Scheduler
+from elbowroom.scheduler.records import InFlightRequest
+
+log = logging.getLogger("elbowroom.cluster")
+
+
+@dataclass(slots=True)
+class NodeEntry:
+    """A node with the services that run for it on the head."""
+
+    node: Any  # cluster.remote.Node (or a test double with id/name/alive)
+    scheduler: Scheduler
+    guard: Any = None  # guard.guard.PressureGuard
+    monitor: Any = None  # memory.monitor.Monitor
+    tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+
+    def level(self) -> Pressure:
+        sample = self.monitor.latest if self.monitor is not None else None
+        return sample.level if sample is not None else Pressure.NORMAL
+
+
+class ClusterScheduler:
+    def __init__(self, settings: Settings, catalog: Any, *, events: EventLog) -> None:
+        self.settings = settings
+        self._catalog = catalog
+        self.events = events
+        self.nodes: dict[str, NodeEntry] = {}
+        self._homes: dict[str, str] = {}  # model id -> node id
+        self._active: Counter[str] = Counter()  # model id -> requests routed, not finished
+        self._place_lock = asyncio.Lock()
+        self._splits: dict[str, RunningSplit] = {}  # models split over several nodes
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.loads_paused = False
+        # Set by connect.ClusterServices: closing the router ends monitors, guards, agents.
+        self.closer: Callable[[], Awaitable[None]] | None = None
+
+    # ---- membership --------------------------------------------------------------------
+
+    def add(self, entry: NodeEntry) -> None:
+        self.nodes[entry.node.id] = entry
+        self.events.add("node", None, f"node {entry.node.name} joined the cluster")
+
+    def node_gone(self, node_id: str) -> None:
+        entry = self.nodes.get(node_id)
+        if entry is None:
+            return
+        for model, home in list(self._homes.items()):
+            if home == node_id:
+                del self._homes[model]
+        for running in list(self._splits.values()):
+            if node_id in running.nodes():
+                self._split_down(running, f"node {entry.node.name} left the cluster")
+        self.events.add("node", None, f"node {entry.node.name} left the cluster")
+
+    def live(self) -> list[NodeEntry]:
+        return [e for e in self.nodes.values() if e.node.alive]
+
+    @property
+    def counters(self) -> Counter[str]:
+        total: Counter[str] = Counter()
+        for e in self.nodes.values():
+            total.update(e.scheduler.counters)
+        return total
+
+    # ---- lifetime ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        for e in self.nodes.values():
+            await e.scheduler.start()
+        for model_id in self.settings.preload:
+            try:
+                await self.load(model_id)
+            except Exception as exc:
+                log.error("preload of %s failed: %s", model_id, exc)
+
+    async def close(self) -> None:
+        if self.closer is not None:
+            closer, self.closer = self.closer, None
+            await closer()
+            return
+        await self.close_schedulers()
+
+    async def close_schedulers(self) -> None:
+        splits, self._splits = list(self._splits.values()), {}
+        await asyncio.gather(
+            *(stop_split(r, self.settings.stop_grace) for r in splits), return_exceptions=True
+        )
+        await asyncio.gather(
+            *(e.scheduler.close() for e in self.nodes.values()), return_exceptions=True
+        )
+
+    # ---- routing -------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def use(self, model_id: str, *, keep_alive: float | None = None) -> AsyncIterator[Runner]:
+        spec = self._catalog.get(model_id)
+        entry = await self._home(spec.id)
+        if isinstance(entry, RunningSplit):
+            entry.busy += 1
+            try:
+                yield entry.runner
+            finally:
+                entry.busy -= 1
+            return
+        if entry.guard is not None:
+            entry.guard.check_admission()  # that node is under hard pressure: 503
+        self._active[spec.id] += 1
+        try:
+            async with entry.scheduler.use(spec.id, keep_alive=keep_alive) as runner:
+                yield runner
+        finally:
+            self._active[spec.id] -= 1
+            if not self._active[spec.id]:
+                del self._active[spec.id]
+
+    def home_of(self, model_id: str) -> NodeEntry | None:
+        node_id = self._homes.get(model_id)
+        entry = self.nodes.get(node_id) if node_id is not None else None
+        if entry is None or not entry.node.alive:
+            return None
+        held = entry.scheduler.state().get(model_id) is not None
+        return entry if held or self._active[model_id] else None
+
+    async def _home(self, model_id: str) -> NodeEntry | RunningSplit:
+        running = self._splits.get(model_id)
+        if running is not None:
+            return running
+        entry = self.home_of(model_id)
+        if entry is not None:
+            return entry
+        async with self._place_lock:
+            running = self._splits.get(model_id)  # split while this one waited
+            if running is not None:
+                return running
+            entry = self.home_of(model_id)  # placed while this one waited
+            if entry is not None:
+                return entry
+            try:
+                entry = self._place(model_id)
+            except InsufficientMemory as refusal:
+                if not self.settings.cluster_split:
+                    raise
+                return await self._split(model_id, refusal)
+            self._homes[model_id] = entry.node.id
+            return entry
+
+    async def _split(self, model_id: str, refusal: InsufficientMemory) -> RunningSplit:
+        """The model fits on no node: split it over them (docs/cluster.md), or refuse with
+        both reasons."""
+        from elbowroom.cluster.splitter import split_context
+        from elbowroom.engines.llama_rpc import rpc_build_dir
+        from elbowroom.scheduler.inputs import default_estimator
+
+        spec = self._catalog.get(model_id)
+        if self._tasks:  # a split still being taken down: plan with its memory back
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        live = self.live()
+        reports = [(e.node.id, e.scheduler.memory_report()) for e in live]
+        try:
+            if spec.gguf is None:
+                raise SplitError(f"{model_id} is not a llama.cpp model")
+            n_ctx = split_context(spec, self.settings)
+            kv = default_estimator().footprint(spec, n_ctx, 1, self.settings.kv_type)
+            plan = plan_split(spec, self.settings, free_bytes(reports), kv.kv_bytes_per_token)
+        except SplitError as exc:
+            raise InsufficientMemory(
+                f"{refusal.message} A split over the nodes does not fit either: {exc}",
+                code="insufficient_memory",
+                details={**refusal.details, "split": str(exc)},
+            ) from None
+        s = self.settings
+        options = {
+            "kv_type": s.kv_type,
+            "threads": s.threads,
+            "max_tokens_cap": s.max_tokens_cap,
+            "cache_ram_bytes": 0,
+            "kv_cache": False,  # the disk tier keys on one engine; a split has its own
+            "kv_cache_dir": str(s.kv_cache_path),
+            "kv_disk_max": s.kv_disk_max,
+            "kv_block_tokens": s.kv_block_tokens,
+        }
+        nodes = {e.node.id: e.node for e in live}
+        running = await start_split(
+            spec, plan, nodes, options, s.rpc_bin_dir or rpc_build_dir(), self._split_down
+        )
+        self._splits[model_id] = running
+        names = {e.node.id: e.node.name for e in live}
+        layers = {names[n]: k for n, k in plan.split.layers.items()}
+        self.events.add("split", model_id, f"split {model_id} over {layers}", layers=layers)
+        return running
+
+    def _split_down(self, running: RunningSplit, cause: str) -> None:
+        """A part of a split died: fail its requests now, take the rest down, forget it."""
+        if running.closed:
+            return
+        model = running.plan.model
+        if self._splits.get(model) is running:
+            del self._splits[model]
+        log.error("split of %s is down: %s", model, cause)
+        self.events.add("crash", model, f"split of {model} is down: {cause}")
+        running.runner.node_gone(cause)
+        task = asyncio.get_running_loop().create_task(stop_split(running, 2.0))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def options(self, model_id: str) -> list[NodeOption]:
+        out = []
+        for e in self.nodes.values():
+            if not e.node.alive:
+                continue
+            decision, request = e.scheduler.preview(model_id)
+            report = e.scheduler.memory_report()
+            out.append(
+                NodeOption(
+                    node=e.node.id,
+                    name=e.node.name,
+                    decision=decision,
+                    needed=request.needed,
+                    available=int(report["available"]),
+                    limit=int(report["ceiling"]),
+                    pressure=e.level(),
+                )
+            )
+        return out
+
+    def _place(self, model_id: str) -> NodeEntry:
+        chosen = choose(model_id, self.options(model_id))
+        if isinstance(chosen, ClusterRefusal):
+            raise InsufficientMemory(
+                chosen.message(), code="insufficient_memory", details=chosen.details()
+            )
+        log.info(
+            "placing %s on node %s (%s)", model_id, chosen.name, type(chosen.decision).__name__
+        )
+        self.events.add(
+            "place", model_id, f"placed {model_id} on node {chosen.name}", node=chosen.name
+        )
+        return self.nodes[chosen.node]
+
+    # ---- the admin surface ---------------------------------------------------------------
+
+    async def load(self, model_id: str, *, pin: bool | None = None) -> dict[str, Any]:
+        spec = self._catalog.get(model_id)
+        entry = await self._home(spec.id)
+        if isinstance(entry, RunningSplit):
+            return {"id": spec.id, "loaded": True, "split": True}
+        self._active[spec.id] += 1  # holds the placement while it loads
+        try:
+            result = dict(await entry.scheduler.load(spec.id, pin=pin))
+        finally:
+            self._active[spec.id] -= 1
+            if not self._active[spec.id]:
+                del self._active[spec.id]
+        return {**result, "node": entry.node.name}
+
+    async def unload(self, model_id: str, *, reason: str = "explicit") -> dict[str, Any]:
+        running = self._splits.pop(model_id, None)
+        if running is not None:
+            await stop_split(running, self.settings.stop_grace)
+            return {"id": model_id, "unloaded": True, "split": True}
+        entry = self.home_of(model_id)
+        if entry is None:
+            return {"id": model_id, "unloaded": False}
+        result = dict(await entry.scheduler.unload(model_id, reason=reason))
+        return {**result, "node": entry.node.name}
+
+    def runner(self, model_id: str) -> Runner | None:
+        if model_id in self._splits:
+            return self._splits[model_id].runner
+        entry = self.home_of(model_id)
+        return entry.scheduler.runner(model_id) if entry is not None else None
+
+    def inflight(self) -> list[InFlightRequest]:
+        out = [r for e in self.live() for r in e.scheduler.inflight()]
+        return sorted(out, key=lambda r: r.started_at)
+
+    def pause_loads(self, paused: bool) -> None:
+        for e in self.nodes.values():
+            e.scheduler.pause_loads(paused)
+
+    def ps(self) -> list[dict[str, Any]]:
+        rows = []
+        for e in self.live():
+            for row in e.scheduler.ps():
+                rows.append({**row, "node": e.node.name})
+        names = {e.node.id: e.node.name for e in self.nodes.values()}
+        for model, running in self._splits.items():
+            layers = {names.get(n, n): k for n, k in running.plan.split.layers.items()}
+            rows.append(
+                {
+                    "id": model,
+                    "state": running.runner.state.value,
+                    "busy": running.busy,
+                    "node": "+".join(layers),
+                    "split": layers,
+                    "rpc_pids": list(running.rpc_pids),
+                    "pid": running.runner.pid,
+                    "n_ctx": running.plan.n_ctx,
+                    "slots": running.plan.slots,
+                }
+            )
+        return rows
+
+    def pressure(self) -> dict[str, object]:
+        return cluster_pressure({e.node.name: e.level() for e in self.live()}).to_dict()
+
+    def memory_report(self) -> dict[str, Any]:
+        """The worst node's report in the single-machine shape (what the dashboard, the
+        metrics and `ps` read: the cluster is as pressed as that node), plus ``cluster``,
+        ``cluster_pressure``, ``totals`` over the live nodes and every node's own report."""
+        nodes = []
+        totals = {"committed": 0, "available": 0, "ceiling": 0, "limit": 0}
+        worst: tuple[int, str, dict[str, Any]] | None = None
+        for e in self.nodes.values():
+            row: dict[str, Any] = {"id": e.node.id, "name": e.node.name, "alive": e.node.alive}
+            if e.node.alive:
+                try:
+                    report = e.scheduler.memory_report()
+                except ElbowroomError as exc:
+                    row["error"] = exc.message
+                else:
+                    row.update(report)
+                    for k in ("committed", "available", "ceiling"):
+                        totals[k] += int(report[k])
+                    totals["limit"] += int(report["limit"]["value"])
+                    row["models"] = [r["id"] for r in e.scheduler.ps()]
+                    rank = (int(e.level()), e.node.name, report)
+                    if worst is None or rank[:2] > worst[:2]:
+                        worst = rank
+            nodes.append(row)
+        pressure = self.pressure()
+        out: dict[str, Any] = dict(worst[2]) if worst is not None else {}
+        out.update(
+            cluster=True,
+            worst_node=worst[1] if worst is not None else None,
+            pressure=pressure["level"],
+            cluster_pressure=pressure,
+            totals=totals,
+            loads_paused=any(e.scheduler.loads_paused for e in self.live()),
+            nodes=nodes,
+        )
+        return out
