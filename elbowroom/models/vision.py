@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elbowroom.errors import InsufficientMemory
-from elbowroom.models.gguf_meta import InvalidModel, looks_like_gguf, read_header
 from elbowroom.models.spec import ModelSpec, Projector
 from elbowroom.units import format_size
 
@@ -75,6 +74,10 @@ class VisionCost:
 def read_projector(path: Path) -> Projector:
     """The projector's shape, from its GGUF header; InvalidModel when it is not a vision
     projector llama.cpp could load."""
+    # Imported here: the GGUF reader pulls in the gguf package (numpy, yaml: ~13 MiB and
+    # ~0.1 s), and the LLM runner imports this module only for ``extra_footprint``.
+    from elbowroom.models.gguf_meta import InvalidModel, looks_like_gguf, read_header
+
     path = Path(path)
     if not looks_like_gguf(path):
         raise InvalidModel(f"{path} is not a GGUF file (no GGUF magic number)")
