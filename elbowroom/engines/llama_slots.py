@@ -30,6 +30,7 @@ from elbowroom.engines.llama_control import EngineControl
 from elbowroom.errors import Unavailable
 from elbowroom.kvcache import CacheKey, PrefixCache
 from elbowroom.kvcache.blocks import common_prefix
+from elbowroom.kvcache.cache import Hit
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +178,7 @@ class Slots:
         if hit is None:
             return 0
         tokenized = time.perf_counter()
-        if not cache.restore(hit, lambda blob: self._restore(slot, blob)):
+        if not self._restore(slot, hit):
             return 0
         self.restored_tokens += hit.n_tokens
         log.info(
@@ -206,18 +207,31 @@ class Slots:
         )
         return [int(t) for t in out["tokens"]]
 
-    def _restore(self, slot: int, blob: bytes | bytearray) -> bool:
+    def _restore(self, slot: int, hit: Hit) -> bool:
+        """The hit's state into ``slot``: written to a file the engine reads (the disk tier
+        copies it there without passing it through Python), then the engine's restore."""
+        assert self._cache is not None
         name = f"restore-{slot}.bin"
         path = self._save_dir / name
+
+        def apply() -> bool:
+            try:
+                self._control.request("POST", f"/slots/{slot}?action=restore", {"filename": name})
+            except (OSError, RuntimeError, ValueError) as exc:
+                log.warning("KV disk tier: restoring into slot %d failed: %s", slot, exc)
+                return False
+            return True
+
         try:
-            path.write_bytes(blob)
-            self._control.request("POST", f"/slots/{slot}?action=restore", {"filename": name})
-        except (OSError, RuntimeError, ValueError) as exc:
-            log.warning("KV disk tier: restoring into slot %d failed: %s", slot, exc)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            log.warning("KV disk tier: cannot write %s: %s", path, exc)
             return False
+        try:  # what is written is visible to the engine's read with the file still open
+            return self._cache.restore_file(hit, fd, apply)
         finally:
+            os.close(fd)
             path.unlink(missing_ok=True)
-        return True
 
     def save_idle(self) -> int:
         """Under pressure: the states of the slots no request runs on. Each is held while it

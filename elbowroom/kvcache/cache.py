@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -176,20 +177,45 @@ class PrefixCache:
         with self._lock:
             start = self._clock()
             state = self._fetch(hit)
-            ok = state is not None and apply(state)
-            elapsed = self._clock() - start
-            if not ok:
-                self._forget(hit.eid)
-                self._n.misses += 1
-                return False
-            self._cost.observe_restore(hit.tier, hit.nbytes, elapsed)
-            if hit.tier is Tier.RAM:
-                self._n.hits_ram += 1
-            else:
-                self._n.hits_disk += 1
-            self._n.restored += 1
-            self._n.tokens_restored += hit.n_tokens
-            return True
+            return self._restored(hit, start, state is not None and apply(state))
+
+    def restore_file(self, hit: Hit, dest: int, apply: Callable[[], bool]) -> bool:
+        """Like ``restore``, for an engine that reads states from files: the hit's state is
+        put into the open file ``dest`` (a disk entry is verified and copied by the kernel,
+        never read into this process), then ``apply()`` loads it into the context."""
+        with self._lock:
+            start = self._clock()
+            return self._restored(hit, start, self._put(hit, dest) and apply())
+
+    def _put(self, hit: Hit, dest: int) -> bool:
+        meta = self._meta.get(hit.eid)
+        if meta is None:
+            return False
+        if meta.tier is Tier.DISK:
+            return self._disk is not None and self._disk.copy_to(hit.eid, dest)
+        entry = self._ram.get(hit.eid)
+        if entry is None:
+            return False
+        view = memoryview(entry.state)
+        while view:
+            view = view[os.write(dest, view) :]
+        return True
+
+    def _restored(self, hit: Hit, start: float, ok: bool) -> bool:
+        """Count a restore's outcome; a failed one drops the entry (a miss)."""
+        elapsed = self._clock() - start
+        if not ok:
+            self._forget(hit.eid)
+            self._n.misses += 1
+            return False
+        self._cost.observe_restore(hit.tier, hit.nbytes, elapsed)
+        if hit.tier is Tier.RAM:
+            self._n.hits_ram += 1
+        else:
+            self._n.hits_disk += 1
+        self._n.restored += 1
+        self._n.tokens_restored += hit.n_tokens
+        return True
 
     def _fetch(self, hit: Hit) -> Blob | None:
         meta = self._meta.get(hit.eid)

@@ -112,7 +112,7 @@ def decode_header(head: bytes) -> Header:
     return Header(key, tuple(arr), payload_len, payload_crc, size)
 
 
-def check_payload(header: Header, payload: Blob) -> None:
+def check_payload(header: Header, payload: Blob | memoryview) -> None:
     if len(payload) != header.payload_len:
         raise FormatError(f"truncated payload ({len(payload)} of {header.payload_len} bytes)")
     if zlib.crc32(payload) != header.payload_crc:

@@ -53,6 +53,34 @@ def test_corrupt_payload_is_a_miss_and_removed(tmp_path: Path) -> None:
     assert not path.exists() and len(t) == 0 and t.nbytes == 0
 
 
+def test_copy_to_puts_the_verified_state_into_a_file(tmp_path: Path) -> None:
+    t = tier(tmp_path / "kv")
+    state = os.urandom(3_000_000)
+    t.write("e1", TOKENS, state)
+    dest = tmp_path / "restore.bin"
+    with dest.open("wb") as f:
+        assert t.copy_to("e1", f.fileno())
+    assert dest.read_bytes() == state  # the payload only: no header
+    assert not t.copy_to("nope", os.open(os.devnull, os.O_WRONLY))
+
+
+def test_copy_to_refuses_a_corrupt_or_truncated_entry_and_removes_it(tmp_path: Path) -> None:
+    t = tier(tmp_path / "kv")
+    t.write("e1", TOKENS, os.urandom(20_000))
+    t.write("e2", TOKENS[:50], os.urandom(20_000))
+    paths = {p.name: p for p in (tmp_path / "kv").iterdir()}
+    with paths[f"{PREFIX}-e1.kv"].open("r+b") as f:
+        f.seek(-100, os.SEEK_END)
+        f.write(b"\x00" * 10)
+    os.truncate(paths[f"{PREFIX}-e2.kv"], 1000)
+    dest = tmp_path / "restore.bin"
+    with dest.open("wb") as f:
+        assert not t.copy_to("e1", f.fileno())
+        assert not t.copy_to("e2", f.fileno())
+    assert dest.read_bytes() == b""  # nothing of a bad state reaches the engine
+    assert len(t) == 0 and not list((tmp_path / "kv").iterdir())
+
+
 def test_truncated_file_is_removed_at_scan(tmp_path: Path) -> None:
     tier(tmp_path).write("e1", TOKENS, os.urandom(20_000))
     path = only_file(tmp_path)
