@@ -19,7 +19,7 @@ import logging
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from starlette.requests import Request
@@ -27,6 +27,10 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from elbowroom.errors import ElbowroomError
+
+if TYPE_CHECKING:
+    from elbowroom.runtime.protocol import Runner
+    from elbowroom.server.deps import SchedulerService
 
 log = logging.getLogger("elbowroom.server")
 
@@ -106,8 +110,8 @@ class Generation:
 
 
 async def hold_runner(
-    scheduler: Any, model: str, keep_alive: float | None
-) -> tuple[Any, AsyncExitStack]:
+    scheduler: SchedulerService, model: str, keep_alive: float | None
+) -> tuple[Runner, AsyncExitStack]:
     """The model's runner, claimed from the scheduler until the returned stack closes."""
     stack = AsyncExitStack()
     runner = await stack.enter_async_context(scheduler.use(model, keep_alive=keep_alive))
@@ -121,14 +125,18 @@ async def abandon(stack: AsyncExitStack, exc: BaseException) -> None:
 
 
 async def open_generation(
-    scheduler: Any, model: str, keep_alive: float | None, kind: str, payload: dict[str, Any]
+    scheduler: SchedulerService,
+    model: str,
+    keep_alive: float | None,
+    kind: str,
+    payload: dict[str, Any],
 ) -> Generation:
     runner, stack = await hold_runner(scheduler, model, keep_alive)
     return await start_generation(runner, stack, kind, payload)
 
 
 async def start_generation(
-    runner: Any, stack: AsyncExitStack, kind: str, payload: dict[str, Any]
+    runner: Runner, stack: AsyncExitStack, kind: str, payload: dict[str, Any]
 ) -> Generation:
     """Send the request to the held runner and wait for its first event."""
     try:
