@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from io import BufferedReader
 from pathlib import Path
+from typing import TypeVar
 
 from elbowroom.kvcache.fileformat import (
     FIXED_SIZE,
@@ -47,6 +48,7 @@ from elbowroom.kvcache.fileformat import (
 )
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 SUFFIX = ".kv"
 TMP_SUFFIX = ".tmp"
@@ -195,30 +197,7 @@ class DiskTier:
 
     def read(self, eid: str) -> bytearray | None:
         """The entry's state, verified; None (and the file removed) when it is unusable."""
-        entry = self._entries.get(eid)
-        if entry is None:
-            return None
-        path = self._path(eid)
-        try:
-            with _open_regular(path) as f:
-                header = self._read_header(f)
-                if header.key != self._key or header.tokens != entry.tokens:
-                    raise FormatError("header does not match the index")
-                if os.fstat(f.fileno()).st_size != header.file_size:
-                    raise FormatError("size does not match the header (truncated?)")
-                payload = bytearray(header.payload_len)
-                got = f.readinto(payload)
-                check_payload(header, payload[:got] if got != len(payload) else payload)
-                if f.read(1):
-                    raise FormatError("trailing bytes after the payload")
-        except (OSError, FormatError) as exc:
-            self.remove(eid)
-            self._discard(path, str(exc))
-            return None
-        self._entries.move_to_end(eid)
-        with contextlib.suppress(OSError):
-            os.utime(path)  # recency for the next scan and for other runners' eviction
-        return payload
+        return self._use(eid, _read_payload)
 
     def copy_to(self, eid: str, dest: int) -> bool:
         """Verify the entry and copy its state into the open file ``dest`` without
@@ -227,9 +206,14 @@ class DiskTier:
         otherwise reads the state into a buffer and writes it out again (for SmolLM2's
         ~2,400-token state, 52 MiB: ~70 of its ~125 ms). False (and the file removed)
         when the entry is unusable, like ``read``."""
+        return self._use(eid, lambda f, header: _copy_payload(f, header, dest)) is not None
+
+    def _use(self, eid: str, fn: Callable[[BufferedReader, Header], _T]) -> _T | None:
+        """``fn`` on the entry's open file once its header matches the index and its size;
+        None (and the file removed) when anything about it is wrong."""
         entry = self._entries.get(eid)
         if entry is None:
-            return False
+            return None
         path = self._path(eid)
         try:
             with _open_regular(path) as f:
@@ -238,23 +222,15 @@ class DiskTier:
                     raise FormatError("header does not match the index")
                 if os.fstat(f.fileno()).st_size != header.file_size:
                     raise FormatError("size does not match the header (truncated?)")
-                if header.payload_len == 0:
-                    raise FormatError("empty payload")
-                with (
-                    mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped,
-                    memoryview(mapped) as view,
-                    view[header.size :] as payload,
-                ):
-                    check_payload(header, payload)
-                _copy_range(f.fileno(), header.size, dest, header.payload_len)
+                out = fn(f, header)
         except (OSError, FormatError, ValueError) as exc:
             self.remove(eid)
             self._discard(path, str(exc))
-            return False
+            return None
         self._entries.move_to_end(eid)
         with contextlib.suppress(OSError):
-            os.utime(path)
-        return True
+            os.utime(path)  # recency for the next scan and for other runners' eviction
+        return out
 
     def write(self, eid: str, tokens: tuple[int, ...], state: Blob) -> WriteResult:
         """Write atomically (temp file + rename), evicting LRU files to stay under the cap."""
@@ -367,6 +343,28 @@ class DiskTier:
         log.warning("KV disk tier: removing %s: %s", path.name, why)
         with contextlib.suppress(OSError):
             path.unlink()
+
+
+def _read_payload(f: BufferedReader, header: Header) -> bytearray:
+    payload = bytearray(header.payload_len)
+    got = f.readinto(payload)
+    check_payload(header, payload[:got] if got != len(payload) else payload)
+    if f.read(1):
+        raise FormatError("trailing bytes after the payload")
+    return payload
+
+
+def _copy_payload(f: BufferedReader, header: Header, dest: int) -> bool:
+    if header.payload_len == 0:
+        raise FormatError("empty payload")
+    with (
+        mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped,
+        memoryview(mapped) as view,
+        view[header.size :] as payload,
+    ):
+        check_payload(header, payload)
+    _copy_range(f.fileno(), header.size, dest, header.payload_len)
+    return True
 
 
 def _copy_range(src: int, offset: int, dest: int, length: int) -> None:
