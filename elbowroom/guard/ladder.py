@@ -47,6 +47,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from elbowroom.memory.types import Pressure
+from elbowroom.scheduler.policy import lru_prefix
 from elbowroom.units import format_size
 
 
@@ -325,21 +326,9 @@ def _unloads(
         # No byte excess: either unloads under way cover it (wait for them), or the level
         # comes from PSI: one model on the rising edge only.
         first = order[:1] if prev < level and reading.freeing == 0 else []
-        taken = _prefix(order, excess) if excess > 0 else first
+        taken = lru_prefix(order, excess)[0] if excess > 0 else first
     threshold = reading.hard if level >= Pressure.HARD else reading.soft
     return [Unload(m.id, m.bytes, level, reading.usage, threshold) for m in taken]
-
-
-def _prefix(order: Sequence[LoadedModel], need: int) -> list[LoadedModel]:
-    """The shortest LRU prefix whose bytes reach ``need`` (all of them if none does)."""
-    taken: list[LoadedModel] = []
-    freed = 0
-    for m in order:
-        if freed >= need:
-            break
-        taken.append(m)
-        freed += m.bytes
-    return taken
 
 
 def _gpu_rungs(

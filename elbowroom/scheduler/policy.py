@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from elbowroom.models.estimate import CTX_STEP
 from elbowroom.models.spec import Holding, ModelKind
@@ -216,15 +216,31 @@ def eviction_order(models: Iterable[ModelState]) -> list[ModelState]:
     return sorted(candidates, key=lambda m: (m.last_used, m.id))
 
 
-def _prefix_freeing(order: Sequence[ModelState], need: int) -> list[ModelState] | None:
-    """The shortest prefix of ``order`` whose bytes reach ``need``; None if all cannot."""
+class HasBytes(Protocol):
+    @property
+    def bytes(self) -> int: ...
+
+
+_B = TypeVar("_B", bound=HasBytes)
+
+
+def lru_prefix(order: Sequence[_B], need: int) -> tuple[list[_B], int]:
+    """The shortest prefix of ``order`` (least recently used first) whose bytes reach
+    ``need``, and the bytes it frees (all of ``order`` when none does). The scheduler's
+    507 suggestions and the pressure guard's unloads pick with it."""
     freed = 0
-    taken: list[ModelState] = []
+    taken: list[_B] = []
     for m in order:
         if freed >= need:
             break
         taken.append(m)
         freed += m.bytes
+    return taken, freed
+
+
+def _prefix_freeing(order: Sequence[ModelState], need: int) -> list[ModelState] | None:
+    """The shortest prefix of ``order`` whose bytes reach ``need``; None if all cannot."""
+    taken, freed = lru_prefix(order, need)
     return taken if freed >= need else None
 
 
