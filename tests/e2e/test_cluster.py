@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from ray_cluster import local_cluster
 
 from elbowroom.config import Settings
 from elbowroom.errors import InsufficientMemory, RunnerCrashed
@@ -41,41 +42,8 @@ HEAD, NODE_A, NODE_B = "64MiB", "3GiB", "1536MiB"
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
-    env = {"RAY_memory_monitor_refresh_ms": "0"}  # Ray's OOM killer: off (shared host)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    fast_failure = {  # notice a killed node in about a second, not Ray's 30 s default
-        "health_check_initial_delay_ms": 0,
-        "health_check_period_ms": 300,
-        "health_check_timeout_ms": 300,
-        "health_check_failure_threshold": 3,
-    }
-    node_args = {"num_cpus": 1, "object_store_memory": 80 * MiB, "include_dashboard": False}
-    c = cluster_utils.Cluster(
-        initialize_head=True,
-        head_node_args={
-            **node_args,
-            "env_vars": {"ELBOWROOM_OVERRIDE_MEMORY": HEAD},
-            "_system_config": fast_failure,
-        },
-    )
-    nodes = {
-        "a": c.add_node(**node_args, env_vars={"ELBOWROOM_OVERRIDE_MEMORY": NODE_A}),
-        "b": c.add_node(**node_args, env_vars={"ELBOWROOM_OVERRIDE_MEMORY": NODE_B}),
-    }
-    c.wait_for_nodes()
-    ray.init(address=c.address, namespace="elbowroom", log_to_driver=False)
-    c.named = nodes  # type: ignore[attr-defined]
-    try:
+    with local_cluster(HEAD, {"a": NODE_A, "b": NODE_B}, fast_failure=True) as c:
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def settings_for(c: Any) -> Settings:

@@ -11,22 +11,20 @@ and every model answers from its node.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from ray_cluster import local_cluster
 
 from elbowroom.config import Settings
 from elbowroom.models.catalog import discover
 
 ray = pytest.importorskip("ray")
-cluster_utils = pytest.importorskip("ray.cluster_utils")
+pytest.importorskip("ray.cluster_utils")
 
 pytestmark = pytest.mark.slow
 
-MiB = 1024**2
-OOM_KILLER = "RAY_memory_monitor_refresh_ms"
 SIZES = {"head": "800MiB", "a": "1280MiB", "b": "640MiB"}
 SIX = ("gemma3-270m", "whisper-tiny.en", "smollm2-135m", "piper-en-us-joe", "sphinx-en-us",
        "minilm-l6-v2")  # fmt: skip
@@ -34,26 +32,9 @@ SIX = ("gemma3-270m", "whisper-tiny.en", "smollm2-135m", "piper-en-us-joe", "sph
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
-    saved = os.environ.get(OOM_KILLER)
-    os.environ[OOM_KILLER] = "0"
-    node_args = {"num_cpus": 1, "object_store_memory": 80 * MiB, "include_dashboard": False}
-    c = cluster_utils.Cluster(
-        initialize_head=True,
-        head_node_args={**node_args, "env_vars": {"ELBOWROOM_OVERRIDE_MEMORY": SIZES["head"]}},
-    )
-    for name in ("a", "b"):
-        c.add_node(**node_args, env_vars={"ELBOWROOM_OVERRIDE_MEMORY": SIZES[name]})
-    c.wait_for_nodes()
-    ray.init(address=c.address, namespace="elbowroom", log_to_driver=False)
-    try:
+    nodes = {name: SIZES[name] for name in ("a", "b")}
+    with local_cluster(SIZES["head"], nodes) as c:
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
-        if saved is None:
-            os.environ.pop(OOM_KILLER, None)
-        else:
-            os.environ[OOM_KILLER] = saved
 
 
 def test_six_models_on_three_unequal_nodes_none_overcommitted(cluster: Any) -> None:

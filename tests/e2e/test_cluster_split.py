@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 from bundled_models import bundled_spec
+from ray_cluster import local_cluster
 
 from elbowroom.config import Settings
 from elbowroom.engines.llama_rpc import default_binary
@@ -29,15 +30,13 @@ from elbowroom.errors import InsufficientMemory, RunnerCrashed
 from elbowroom.models.catalog import discover
 
 ray = pytest.importorskip("ray")
-cluster_utils = pytest.importorskip("ray.cluster_utils")
+pytest.importorskip("ray.cluster_utils")
 
 pytestmark = pytest.mark.slow
 
 if not (default_binary("rpc-server").is_file() and default_binary("llama-server").is_file()):
     pytest.skip("no RPC build: run scripts/rpc_engine.sh", allow_module_level=True)
 
-MiB = 1024**2
-OOM_KILLER = "RAY_memory_monitor_refresh_ms"  # Ray's OOM killer: off (a shared host)
 SMOLLM2 = "smollm2-135m"
 PROMPT = {"prompt": "The capital of France is Paris. The capital of Italy is", "temperature": 0}
 COUNTING = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "temperature": 0}
@@ -45,35 +44,8 @@ COUNTING = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "temperature": 0}
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
-    saved = os.environ.get(OOM_KILLER)
-    os.environ[OOM_KILLER] = "0"
-    node_args = {"num_cpus": 1, "object_store_memory": 80 * MiB, "include_dashboard": False}
-    c = cluster_utils.Cluster(
-        initialize_head=True,
-        head_node_args={
-            **node_args,
-            "env_vars": {"ELBOWROOM_OVERRIDE_MEMORY": "64MiB"},
-            "_system_config": {
-                "health_check_initial_delay_ms": 0,
-                "health_check_period_ms": 300,
-                "health_check_timeout_ms": 300,
-                "health_check_failure_threshold": 3,
-            },
-        },
-    )
-    c.a = c.add_node(**node_args, env_vars={"ELBOWROOM_OVERRIDE_MEMORY": "300MiB"})
-    c.b = c.add_node(**node_args, env_vars={"ELBOWROOM_OVERRIDE_MEMORY": "260MiB"})
-    c.wait_for_nodes()
-    ray.init(address=c.address, namespace="elbowroom", log_to_driver=False)
-    try:
+    with local_cluster("64MiB", {"a": "300MiB", "b": "260MiB"}, fast_failure=True) as c:
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
-        if saved is None:
-            os.environ.pop(OOM_KILLER, None)
-        else:
-            os.environ[OOM_KILLER] = saved
 
 
 async def wait_for(predicate: Any, deadline: float, what: str) -> None:
@@ -124,8 +96,8 @@ def test_split_over_two_nodes_serves_the_unsplit_output_then_fails_fast(cluster:
             assert items[-1]["text"] == expected
             (row,) = router.ps()
             layers = row["split"]
-            a = next(n for n in layers if n.endswith(cluster.a.node_id[:6]))
-            b = next(n for n in layers if n.endswith(cluster.b.node_id[:6]))
+            a = next(n for n in layers if n.endswith(cluster.named["a"].node_id[:6]))
+            b = next(n for n in layers if n.endswith(cluster.named["b"].node_id[:6]))
             assert layers[a] + layers[b] == 30 and layers[a] > layers[b] >= 1, layers
             # An RPC server that dies takes the split down; the next request splits again.
             os.kill(row["rpc_pids"][0], signal.SIGKILL)
@@ -148,7 +120,7 @@ def test_split_over_two_nodes_serves_the_unsplit_output_then_fails_fast(cluster:
                         got.append(item)
                         if len(got) == 1:
                             killed_at = time.monotonic()
-                            cluster.remove_node(cluster.b, allow_graceful=False)
+                            cluster.remove_node(cluster.named["b"], allow_graceful=False)
             failed_in = time.monotonic() - killed_at
             print(f"split: in-flight request failed {failed_in:.2f} s after a node was killed")
             assert failed_in < 15.0

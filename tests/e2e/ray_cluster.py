@@ -1,0 +1,56 @@
+"""A Ray cluster of several raylets on this machine, for the cluster tests."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+MiB = 1024**2
+OOM_KILLER = "RAY_memory_monitor_refresh_ms"  # Ray's OOM killer: off (a shared host)
+# Notice a killed node in about a second, not Ray's 30 s default.
+FAST_FAILURE = {
+    "health_check_initial_delay_ms": 0,
+    "health_check_period_ms": 300,
+    "health_check_timeout_ms": 300,
+    "health_check_failure_threshold": 3,
+}
+
+
+@contextmanager
+def local_cluster(head: str, nodes: dict[str, str], *, fast_failure: bool = False) -> Iterator[Any]:
+    """The head and one node per entry of ``nodes`` (name -> the memory size that node's
+    elbowroom sees, ``ELBOWROOM_OVERRIDE_MEMORY``), one CPU and a small object store each,
+    connected as the driver; ``cluster.named`` maps the names to Ray's node handles."""
+    import ray
+    from ray import cluster_utils
+
+    saved = os.environ.get(OOM_KILLER)
+    os.environ[OOM_KILLER] = "0"
+    node_args: dict[str, Any] = {
+        "num_cpus": 1,
+        "object_store_memory": 80 * MiB,
+        "include_dashboard": False,
+    }
+    head_args: dict[str, Any] = {**node_args, "env_vars": {"ELBOWROOM_OVERRIDE_MEMORY": head}}
+    if fast_failure:
+        head_args["_system_config"] = FAST_FAILURE
+    c = cluster_utils.Cluster(initialize_head=True, head_node_args=head_args)
+    try:
+        c.named = {
+            name: c.add_node(**node_args, env_vars={"ELBOWROOM_OVERRIDE_MEMORY": size})
+            for name, size in nodes.items()
+        }
+        c.wait_for_nodes()
+        ray.init(address=c.address, namespace="elbowroom", log_to_driver=False)
+        try:
+            yield c
+        finally:
+            ray.shutdown()
+    finally:
+        c.shutdown()
+        if saved is None:
+            os.environ.pop(OOM_KILLER, None)
+        else:
+            os.environ[OOM_KILLER] = saved
