@@ -273,29 +273,12 @@ class LlamaEngine:
         chat = op == "chat" and "messages" in body
         state = StreamState(chat=chat)
         stopped: list[str] = []
-        pool = self._slot_pool
-        assert pool is not None
-        # A salted request (cache isolation) reuses no state and leaves none behind: no
-        # prompt cache, no slot reuse, no disk tier, and its slot is wiped afterwards.
-        isolated = bool(payload.get("cache_salt"))
-        slot = pool.acquire("" if isolated else _slot_key(body))
-        body["id_slot"] = slot
-        if isolated:
-            body["cache_prompt"] = False
-        with self._lock:
-            self._active += 1
+        slot, isolated = self._take_slot(body, payload, chat)
         try:
-            if not isolated:
-                pool.prepare(slot, "chat" if chat else "completion", _template_body(body))
             self._call(chat, body, state, emit, cancelled, stopped, emulated)
         finally:
-            if isolated:
-                pool.erase(slot)
-            pool.release(slot)
-            with self._lock:
-                self._active -= 1
-                self._served += 1
-        pool.observe_prefill(state.timings)
+            self._give_slot(slot, isolated)
+        self._give_timings(state.timings)
         if state.error is not None:
             raise translate_error(state.error)
         if stopped and stopped[0] == "pressure":
@@ -334,28 +317,16 @@ class LlamaEngine:
         chat = op == "chat" and "messages" in body
         if emulated or (op == "chat" and not chat) or body.get("logprobs") or "n_probs" in body:
             return {"direct": False}
-        assert self._control is not None and self._slot_pool is not None
-        pool = self._slot_pool
-        isolated = bool(payload.get("cache_salt"))
-        slot = pool.acquire("" if isolated else _slot_key(body))
-        body["id_slot"] = slot
+        assert self._control is not None
         body.pop("return_progress", None)  # progress chunks are for the in-runner path only
         if not stream:
             body["stream"] = False
             body.pop("stream_options", None)
-        if isolated:
-            body["cache_prompt"] = False
+        slot, isolated = self._take_slot(body, payload, chat)
         with self._lock:
-            self._active += 1
             ticket = self._next_ticket = self._next_ticket + 1
             self._tickets[ticket] = (slot, isolated)
             self._direct += 1
-        try:
-            if not isolated:
-                pool.prepare(slot, "chat" if chat else "completion", _template_body(body))
-        except BaseException:
-            self._close({"ticket": ticket})
-            raise
         return {
             "direct": True,
             "ticket": ticket,
@@ -370,20 +341,54 @@ class LlamaEngine:
         """A direct stream ended (any way): give its slot back."""
         with self._lock:
             entry = self._tickets.pop(int(payload.get("ticket", 0)), None)
-            if entry is None:
-                return {"closed": False}
+        if entry is None:
+            return {"closed": False}
+        self._give_slot(*entry)
+        timings = payload.get("timings")
+        if isinstance(timings, dict):
+            self._give_timings(timings)
+        return {"closed": True}
+
+    # ---- slots (one lifecycle for piped and direct requests) ---------------------------
+
+    def _take_slot(
+        self, body: dict[str, Any], payload: dict[str, Any], chat: bool
+    ) -> tuple[int, bool]:
+        """A slot for ``body`` (set as its ``id_slot``), with its disk-tier state restored;
+        returns (slot, cache-isolated). A salted request (cache isolation) reuses no state
+        and leaves none behind: no prompt cache, no slot reuse, no disk tier, and its slot
+        is wiped when it is given back."""
+        pool = self._slot_pool
+        assert pool is not None
+        isolated = bool(payload.get("cache_salt"))
+        slot = pool.acquire("" if isolated else _slot_key(body))
+        body["id_slot"] = slot
+        if isolated:
+            body["cache_prompt"] = False
+        with self._lock:
+            self._active += 1
+        try:
+            if not isolated:
+                pool.prepare(slot, "chat" if chat else "completion", _template_body(body))
+        except BaseException:
+            self._give_slot(slot, isolated)
+            raise
+        return slot, isolated
+
+    def _give_slot(self, slot: int, isolated: bool) -> None:
+        pool = self._slot_pool
+        assert pool is not None
+        if isolated:
+            pool.erase(slot)
+        pool.release(slot)
+        with self._lock:
             self._active -= 1
             self._served += 1
-        slot, isolated = entry
-        pool = self._slot_pool
-        if pool is not None:
-            if isolated:
-                pool.erase(slot)
-            pool.release(slot)
-            timings = payload.get("timings")
-            if isinstance(timings, dict):
-                pool.observe_prefill(timings)
-        return {"closed": True}
+
+    def _give_timings(self, timings: dict[str, Any]) -> None:
+        """The engine's prefill speed teaches the restore-vs-recompute cost model."""
+        if self._slot_pool is not None:
+            self._slot_pool.observe_prefill(timings)
 
     def _call(
         self,
