@@ -331,18 +331,11 @@ class Supervisor:
             watcher(self._level)
         return lambda: self._pressure_watchers.discard(watcher)
 
-    @property
-    def pressure_level(self) -> int:
-        return self._level
-
     async def exit_within(self, timeout: float) -> str | None:
         """The exit cause, once the death of the process has been seen (None if it is still
         alive after ``timeout`` seconds). A direct stream sees its engine's socket close a
         moment before this reader thread reaps the process."""
-        if not self._exited.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._exited.wait(), timeout)
-        return self._exit_cause if self._exited.is_set() else None
+        return self._exit_cause if await self._wait_exit(timeout) else None
 
     def measure(self) -> ProcessMemory:
         pid = self.pid
