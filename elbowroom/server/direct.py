@@ -27,7 +27,6 @@ keep their HTTP status: the engine's answer is read before the response starts.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import re
@@ -42,6 +41,7 @@ from elbowroom.errors import ElbowroomError, EngineError, MemoryPressure, Runner
 from elbowroom.memory.types import Pressure
 from elbowroom.server.errors import public_error
 from elbowroom.server.metrics import record_tokens
+from elbowroom.server.model_calls import answer
 from elbowroom.server.sse import DONE, sse
 
 log = logging.getLogger("elbowroom.server")
@@ -66,18 +66,6 @@ class DirectRunner(Protocol):
     async def exit_within(self, timeout: float) -> str | None: ...
 
 
-async def _answer(runner: DirectRunner, op: str, payload: dict[str, Any]) -> dict[str, Any]:
-    events = runner.request(op, payload)
-    try:
-        async for item in events:
-            if item.get("type") == "done":
-                return item
-    finally:
-        with contextlib.suppress(Exception):
-            await events.aclose()  # type: ignore[attr-defined]
-    raise ElbowroomError(f"the runner ended {op!r} without an answer")
-
-
 async def open_direct(
     runner: Any,
     stack: AsyncExitStack,
@@ -93,7 +81,7 @@ async def open_direct(
     caller)."""
     if not isinstance(runner, DirectRunner) or not runner.direct_streams:
         return None
-    ticket = await _answer(runner, "open", {"kind": kind, "request": payload, "stream": stream})
+    ticket = await answer(runner, "open", {"kind": kind, "request": payload, "stream": stream})
     if not ticket.get("direct"):
         return None
     direct = DirectStream(runner, model, ticket, include_usage, stack)
@@ -235,7 +223,7 @@ class DirectStream:
         """Give the slot back (and the prefill timing to the cache's cost model)."""
         with anyio.CancelScope(shield=True):
             try:
-                await _answer(
+                await answer(
                     self.runner,
                     "close",
                     {"ticket": self.ticket["ticket"], "timings": self.timings},

@@ -7,8 +7,8 @@ under the alias's own name takes precedence over the alias.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Protocol
 
 from elbowroom.errors import BadRequest, ElbowroomError, ModelNotFound
 from elbowroom.models.spec import ModelKind, ModelSpec
@@ -75,14 +75,25 @@ async def run_once(
 ) -> dict[str, Any]:
     """Run one non-streaming request and return the runner's final result."""
     async with scheduler.use(model_id, keep_alive=keep_alive) as runner:
-        events = runner.request(op, payload)
-        try:
-            async for item in events:
-                if item.get("type") == "done":
-                    return dict(item)
-        finally:
-            # Closing early (client gone, error) tells the worker to cancel the work.
-            close = getattr(events, "aclose", None)
-            if close is not None:
-                await close()
-    raise ElbowroomError("the runner ended the request without a result")
+        return await answer(runner, op, payload)
+
+
+class Requester(Protocol):
+    """What ``answer`` needs of a runner (runtime.protocol.Runner has it)."""
+
+    def request(self, kind: str, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]: ...
+
+
+async def answer(runner: Requester, op: str, payload: dict[str, Any]) -> dict[str, Any]:
+    """``op`` on a held runner, to its final result (deltas are passed over)."""
+    events = runner.request(op, payload)
+    try:
+        async for item in events:
+            if item.get("type") == "done":
+                return dict(item)
+    finally:
+        # Closing early (client gone, error) tells the worker to cancel the work.
+        close = getattr(events, "aclose", None)
+        if close is not None:
+            await close()
+    raise ElbowroomError(f"the runner ended {op!r} without a result")
