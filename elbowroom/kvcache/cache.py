@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -34,7 +33,7 @@ from elbowroom.kvcache.blocks import (
     seed_hash,
 )
 from elbowroom.kvcache.cost import CostModel, Tier
-from elbowroom.kvcache.disk import DiskTier
+from elbowroom.kvcache.disk import DiskTier, write_all
 from elbowroom.kvcache.fileformat import Blob
 from elbowroom.kvcache.ram import RamEntry, RamTier
 
@@ -196,9 +195,7 @@ class PrefixCache:
         entry = self._ram.get(hit.eid)
         if entry is None:
             return False
-        view = memoryview(entry.state)
-        while view:
-            view = view[os.write(dest, view) :]
+        write_all(dest, entry.state)
         return True
 
     def _restored(self, hit: Hit, start: float, ok: bool) -> bool:

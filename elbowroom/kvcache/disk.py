@@ -385,12 +385,17 @@ def _copy_range(src: int, offset: int, dest: int, length: int) -> None:
             chunk = os.read(src, min(8 << 20, length - done))
             if not chunk:
                 break
-            view = memoryview(chunk)
-            while view:
-                view = view[os.write(dest, view) :]
+            write_all(dest, chunk)
             done += len(chunk)
     if done != length:
         raise FormatError(f"copied {done} of {length} bytes (the file shrank?)")
+
+
+def write_all(fd: int, data: Blob) -> None:
+    """All of ``data`` onto ``fd`` (os.write may write less than asked)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 _NO_KERNEL_COPY = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF}
