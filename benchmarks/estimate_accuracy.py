@@ -44,11 +44,11 @@ from synth_models import HELD_OUT, TINY, Shape, ensure
 from elbowroom.config import load_settings
 from elbowroom.memory.types import ProcessMemory
 from elbowroom.models import estimate as est
+from elbowroom.models.bundled import gguf_llm
 from elbowroom.models.calibrate import LoadMeasurement, measure_load
 from elbowroom.models.catalog import discover
-from elbowroom.models.gguf_meta import read_gguf_info
 from elbowroom.models.measured import MeasuredStore
-from elbowroom.models.spec import Holding, ModelKind, ModelSpec
+from elbowroom.models.spec import ModelSpec
 from elbowroom.units import MiB
 
 TARGET = 0.10
@@ -69,17 +69,7 @@ def mib(n: float) -> str:
 
 
 def spec_of(shape: Shape, path: Path) -> ModelSpec:
-    return ModelSpec(
-        id=shape.name,
-        kind=ModelKind.LLM,
-        engine="llama",
-        path=path,
-        size_bytes=path.stat().st_size,
-        holding=Holding.MMAP,
-        source="path",
-        gguf=read_gguf_info(path),
-        description=f"synthetic {shape.arch}, {shape.weights}",
-    )
+    return gguf_llm(shape.name, path, f"synthetic {shape.arch}, {shape.weights}", source="path")
 
 
 @dataclass(frozen=True, slots=True)

@@ -73,7 +73,10 @@ def _gemma_expected_size() -> int | None:
     return sum(c.stat().st_size for c in chunks) if chunks else None
 
 
-def _llm(model_id: str, path: Path, description: str) -> ModelSpec:
+def gguf_llm(
+    model_id: str, path: Path, description: str = "", source: str = "bundled"
+) -> ModelSpec:
+    """An LLM spec for one GGUF file (its metadata read), as the catalog lists them."""
     return ModelSpec(
         id=model_id,
         kind=ModelKind.LLM,
@@ -81,7 +84,7 @@ def _llm(model_id: str, path: Path, description: str) -> ModelSpec:
         path=path,
         size_bytes=path.stat().st_size,
         holding=Holding.MMAP,
-        source="bundled",
+        source=source,
         gguf=read_gguf_info(path),
         description=description,
     )
@@ -92,14 +95,14 @@ def _smollm2(settings: Settings) -> ModelSpec | None:
     path = folder / "SmolLM2-135M-Instruct.Q4_1.gguf" if folder else None
     if path is None or not path.is_file():
         return None
-    return _llm("smollm2-135m", path, "SmolLM2 135M Instruct, Q4_1 (chat)")
+    return gguf_llm("smollm2-135m", path, "SmolLM2 135M Instruct, Q4_1 (chat)")
 
 
 def _gemma(settings: Settings) -> ModelSpec | None:
     path = gemma_path(settings)
     if not path.is_file() or path.stat().st_size != _gemma_expected_size():
         return None
-    return _llm("gemma3-270m", path, "Gemma 3 270M base, Q4_K_M (text completion)")
+    return gguf_llm("gemma3-270m", path, "Gemma 3 270M base, Q4_K_M (text completion)")
 
 
 def _resident(

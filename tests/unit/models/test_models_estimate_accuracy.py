@@ -14,11 +14,10 @@ import pytest
 from synth_models import TINY, ensure
 
 from elbowroom.config import Settings
-from elbowroom.models.bundled import bundled_specs
+from elbowroom.models.bundled import bundled_specs, gguf_llm
 from elbowroom.models.calibrate import measure_load
 from elbowroom.models.estimate import footprint
-from elbowroom.models.gguf_meta import read_gguf_info
-from elbowroom.models.spec import Holding, ModelKind, ModelSpec
+from elbowroom.models.spec import ModelSpec
 
 pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc smaps_rollup"),
@@ -32,16 +31,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> ModelSpec:
         path = ensure([TINY], tmp_path_factory.mktemp("synth"))[TINY.name]
     except FileNotFoundError as exc:  # the tokenizer comes from the bundled SmolLM2
         pytest.skip(str(exc))
-    return ModelSpec(
-        id=TINY.name,
-        kind=ModelKind.LLM,
-        engine="llama",
-        path=path,
-        size_bytes=path.stat().st_size,
-        holding=Holding.MMAP,
-        source="path",
-        gguf=read_gguf_info(path),
-    )
+    return gguf_llm(TINY.name, path, source="path")
 
 
 def _check(spec: ModelSpec, n_ctx: int, slots: int) -> None:
