@@ -123,6 +123,9 @@ class Settings:
     # Soft when others' memory grows so fast that available runs out within this many s.
     pressure_horizon: float = 2.0
     monitor_history: float = 600.0
+    # Give the server's free C heap back to the OS when its last runner stops (glibc
+    # malloc_trim; memory/heap.py): freed request buffers otherwise stay mapped for good.
+    trim_when_idle: bool = True
     unload_settle_timeout: float = 10.0  # wait this long for unloaded memory to show up
     # --- GPUs (docs/gpu.md)
     gpu_layers: int | None = None  # None: placed by VRAM; 0: CPU only; -1: all; N: N units

@@ -27,6 +27,7 @@ from typing import Any
 
 from elbowroom.config import Settings
 from elbowroom.errors import RunnerCrashed
+from elbowroom.memory.heap import trim
 from elbowroom.memory.monitor import Monitor
 from elbowroom.memory.types import Probe
 from elbowroom.runtime.protocol import Runner, RunnerFactory
@@ -74,12 +75,15 @@ class Scheduler:
         estimator: Estimator | None = None,
         events: EventLog | None = None,
         server_usage: Callable[[], int] | None = None,
+        when_idle: Callable[[], object] | None = None,
     ) -> None:
         """``catalog``, ``measured`` and ``estimator`` default to / are the model layer's
         Catalog, MeasuredStore and ``models.estimate``; ``probe``, ``runner_factory``,
         ``clock`` and ``sleep`` (waits while polling for memory) are the seams tests swap.
         ``server_usage``: the server process's own anonymous bytes; they count as ours
-        (``own_usage()``) and against the load ceiling.
+        (``own_usage()``) and against the load ceiling. ``when_idle`` runs in a worker
+        thread each time the last runner has stopped; by default (``trim_when_idle``) the
+        server's free C heap goes back to the OS then (``memory.heap.trim``).
 
         The scheduler builds the memory ``monitor`` (the one owner of the limit) over
         ``probe`` and its own usage; the server starts its sampling thread."""
@@ -102,6 +106,7 @@ class Scheduler:
             events=self.events,
             counters=self.counters,
             server_usage=server_usage if server_usage is not None else no_server_bytes,
+            when_idle=when_idle if when_idle is not None or not settings.trim_when_idle else trim,
         )
         self._inflight: dict[str, InFlightRequest] = {}
         self._request_ids = itertools.count(1)

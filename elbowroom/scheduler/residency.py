@@ -63,6 +63,7 @@ class Residency:
         events: EventLog,
         counters: dict[str, int],
         server_usage: Callable[[], int],
+        when_idle: Callable[[], object] | None = None,
     ) -> None:
         self.settings = settings
         self._lanes = lanes
@@ -76,6 +77,9 @@ class Residency:
         self.counters = counters
         # The server process's own anonymous bytes: ours, and against the load ceiling.
         self.server_usage = server_usage
+        # Run (in a worker thread) each time the last runner has gone: the server gives
+        # its free heap back then (memory.heap.trim, ``trim_when_idle``).
+        self._when_idle = when_idle
         self.last_server = 0  # the server bytes the last decision left out
         self._last: Sample | None = None  # the memory picture at the last decision
         self.monitor = Monitor.from_settings(
@@ -380,7 +384,19 @@ class Residency:
     def forget(self, rec: Loaded) -> None:
         if self.loaded.get(rec.spec.id) is rec:
             del self.loaded[rec.spec.id]
+            if not self.loaded:
+                self._went_idle()
         rec.stopped.set()
+
+    def _went_idle(self) -> None:
+        if self._when_idle is None:
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # called outside the loop (no server running)
+            self._when_idle()
+            return
+        self._spawn(asyncio.to_thread(self._when_idle))
 
     def on_exit(self, runner: Runner, cause: str) -> None:
         """The runner's process exited on its own (crash, OOM kill, kill -9)."""

@@ -296,9 +296,15 @@ class Harness:
         return sorted(row["id"] for row in self.sched.ps())
 
 
-def harness(*specs: ModelSpec, actual: dict[str, int] | None = None, **overrides: Any) -> Harness:
+def harness(
+    *specs: ModelSpec,
+    actual: dict[str, int] | None = None,
+    when_idle: Callable[[], object] | None = None,
+    **overrides: Any,
+) -> Harness:
     """A scheduler over a 1000 MiB fake machine whose limit is 800 MiB (the 80 % tier; no
-    OS reserve, no safety margin). ``actual`` overrides a model's real bytes (MiB)."""
+    OS reserve, no safety margin). ``actual`` overrides a model's real bytes (MiB);
+    ``when_idle`` is the scheduler's (the real heap trim when None)."""
     base: dict[str, Any] = {
         "os_reserve": 0,
         "safety_margin": 0,
@@ -333,6 +339,7 @@ def harness(*specs: ModelSpec, actual: dict[str, int] | None = None, **overrides
         clock=clock,
         sleep=clock.sleep,
         estimator=estimator,
+        when_idle=when_idle,
     )
     return Harness(sched, machine, clock, runners, measured)
 

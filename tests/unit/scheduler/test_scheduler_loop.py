@@ -21,6 +21,7 @@ from elbowroom.errors import (
     RunnerCrashed,
 )
 from elbowroom.models.spec import ModelKind
+from elbowroom.scheduler import loop
 from elbowroom.units import MiB
 
 LIMIT = 800 * MiB
@@ -365,6 +366,36 @@ def test_memory_that_never_shows_up_ends_the_wait_at_the_deadline() -> None:
         assert h.clock.now - before >= 2.0
         assert err.value.details["memory_limit"] == 450 * MiB
         assert err.value.details["limit"] == int(450 * MiB * 0.85)  # its load ceiling
+
+    run(scenario())
+
+
+def test_the_server_heap_is_trimmed_each_time_the_last_runner_stops() -> None:
+    async def scenario() -> None:
+        idle: list[list[str]] = []
+        h = harness(A, B, when_idle=lambda: idle.append(h.loaded()))
+        await request(h, "a")
+        await request(h, "b")
+        await h.sched.unload("a")  # b is still loaded: no trim (it would record ["b"])
+        await h.sched.unload("b")
+        await until(lambda: idle == [[]])  # once, with nothing loaded
+        await request(h, "a")
+        h.runner("a").crash("exit code 1")  # a runner that dies counts as gone too
+        await until(lambda: idle == [[], []])
+
+    run(scenario())
+
+
+def test_trim_when_idle_off_leaves_the_heap_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(loop, "trim", lambda: calls.append(1))
+
+    async def scenario() -> None:
+        for setting in (False, True):  # off first: a trim from it would make calls [1, 1]
+            h = harness(A, trim_when_idle=setting)
+            await request(h, "a")
+            await h.sched.unload("a")
+        await until(lambda: calls == [1])  # only the server with the knob on
 
     run(scenario())
 
