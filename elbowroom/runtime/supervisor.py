@@ -246,8 +246,8 @@ class Supervisor:
         return True
 
     def _signal(self, sig: signal.Signals) -> None:
-        if self._proc is None:
-            return
+        if self._proc is None or self._exited.is_set():
+            return  # gone already (and its Process object closed)
         if sig is signal.SIGKILL:
             self._proc.kill()
         else:
@@ -412,6 +412,12 @@ class Supervisor:
     def _exited_now(self, cause: str) -> None:
         self._exit_cause = cause
         self._exited.set()
+        if self._proc is not None:
+            # The reader reaped it. A spawned child's Popen holds two pipe fds until the
+            # Process object is collected, and a stopped runner often sits in a reference
+            # cycle (a stream's frame, a DirectStream) that only a full collection frees:
+            # the soak benchmark counted 4 such fds after every idle-out. Release them now.
+            self._proc.close()
         stopped = self._state is RunnerState.STOPPING
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(self._crashed(cause, stopped=stopped, loading=True))

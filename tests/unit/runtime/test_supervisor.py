@@ -4,11 +4,13 @@ stub engines (stub_engines.py) only for behaviours a model cannot show on demand
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import replace
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -80,6 +82,16 @@ async def collect(stream: AsyncIterator[dict[str, Any]]) -> list[dict[str, Any]]
 def pid_gone(pid: int) -> bool:
     """True once the process is gone *and reaped* (a zombie still has /proc/PID)."""
     return not Path(f"/proc/{pid}").exists()
+
+
+def open_pipes() -> int:
+    """This process's pipe fds (a spawned child's Popen holds two until it is closed)."""
+    resource_tracker.ensure_running()  # the first spawn starts it, with a pipe of its own
+    pipes = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(FileNotFoundError):  # the listing's own fd, closed since
+            pipes += os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:")
+    return pipes
 
 
 # ---- real llama.cpp ------------------------------------------------------------------
@@ -210,8 +222,9 @@ def test_load_failure_raises_the_workers_error_and_reaps(
     spawned: list[Any] = []
 
     def spawn(conn: Any, spec: ModelSpec, options: dict[str, Any]) -> Any:
-        spawned.append(spawn_worker(conn, spec, options))
-        return spawned[-1]
+        proc = spawn_worker(conn, spec, options)
+        spawned.append(proc.pid)  # the Process object is closed once the runner exited
+        return proc
 
     sup = Supervisor(
         replace(bundled_spec(SMOLLM2), path=Path("/nonexistent/model.gguf")),
@@ -223,7 +236,7 @@ def test_load_failure_raises_the_workers_error_and_reaps(
         run(sup.start(OPTIONS))
     assert "/nonexistent/model.gguf" in err.value.message
     assert sup.state is RunnerState.STOPPED and sup.pid is None
-    assert pid_gone(spawned[0].pid) and exits.calls == []
+    assert pid_gone(spawned[0]) and exits.calls == []
 
 
 @pytest.mark.slow
@@ -258,6 +271,7 @@ def test_stop_escalates_to_signals(
     run: Callable[[Awaitable[Any]], Any], target: Callable[..., None], signal_name: str
 ) -> None:
     exits = Exits()
+    pipes = open_pipes()
     sup = stub_supervisor(target, exits)
     info = run(sup.start({}))
     assert info.facts == {"stub": True}
@@ -279,17 +293,20 @@ def test_stop_escalates_to_signals(
     assert sup.exit_cause == f"killed by signal {signal_name}"
     assert sup.state is RunnerState.STOPPED and pid_gone(info.pid)
     assert exits.calls == []
+    assert open_pipes() == pipes  # nothing of the process left open while sup lives on
 
 
 def test_death_while_loading_is_a_crash_named_by_exit_code(
     run: Callable[[Awaitable[Any]], Any],
 ) -> None:
     exits = Exits()
+    pipes = open_pipes()
     sup = stub_supervisor(stub_engines.dies_while_loading_main, exits)
     with pytest.raises(RunnerCrashed) as err:
         run(sup.start({}))
     assert "while loading (exit code 3)" in err.value.message
     assert sup.state is RunnerState.CRASHED and exits.calls == []
+    assert open_pipes() == pipes  # a crash leaves no fd of the process behind either
 
 
 def test_a_load_past_load_timeout_is_stopped(run: Callable[[Awaitable[Any]], Any]) -> None:
@@ -298,14 +315,15 @@ def test_a_load_past_load_timeout_is_stopped(run: Callable[[Awaitable[Any]], Any
     spawned: list[Any] = []
 
     def spawn(conn: Any, spec: ModelSpec, options: dict[str, Any]) -> Any:
-        spawned.append(spawn_worker(conn, spec, options, target=stub_engines.never_loads_main))
-        return spawned[-1]
+        proc = spawn_worker(conn, spec, options, target=stub_engines.never_loads_main)
+        spawned.append(proc.pid)  # the Process object is closed once the runner exited
+        return proc
 
     sup = Supervisor(bundled_spec(SMOLLM2), exits, settings=settings, spawn=spawn)
     with pytest.raises(Unavailable) as err:
         run(sup.start({}))
     assert "load_timeout" in err.value.message and err.value.status == 503
-    assert sup.state is RunnerState.STOPPED and pid_gone(spawned[0].pid)
+    assert sup.state is RunnerState.STOPPED and pid_gone(spawned[0])
     assert exits.calls == []
 
 
