@@ -13,6 +13,7 @@ returning 0 (normal), 1 (soft) or 2 (hard), updated by the parent's ``pressure``
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import logging
@@ -59,7 +60,11 @@ def worker_main(conn: Connection, spec: ModelSpec, options: dict[str, Any]) -> N
     code = serve(conn, spec, options, engine)
     # The engine is closed and every message sent: skip the interpreter's teardown (module
     # finalizers, freeing every object one by one: ~0.2 s after an LLM), which is time a
-    # swap waits before the next model may load.
+    # swap waits before the next model may load. The atexit hooks still run (well under a
+    # millisecond): multiprocessing's unlinks the named semaphores this process made
+    # (tqdm's lock, which faster-whisper takes on every transcription); without it each
+    # whisper runner left one in /dev/shm until the server exited.
+    atexit._run_exitfuncs()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

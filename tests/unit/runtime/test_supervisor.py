@@ -8,6 +8,7 @@ import contextlib
 import functools
 import os
 import signal
+import wave
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import replace
 from multiprocessing import resource_tracker
@@ -251,6 +252,35 @@ def test_stop_ends_the_process_and_frees_its_memory(
     assert sup.measure() == ZERO_PROCESS_MEMORY
     assert exits.calls == []  # stop() is not a crash
     assert sup._reader is not None and not sup._reader.is_alive()  # no leaked thread
+
+
+@pytest.mark.slow
+def test_a_stopped_runner_leaves_no_named_semaphore(
+    run: Callable[[Awaitable[Any]], Any], tmp_path: Path
+) -> None:
+    """faster-whisper takes tqdm's multiprocessing lock on every transcription: a named
+    semaphore in /dev/shm, mapped into the runner. The runner exits with os._exit, so it
+    must unlink it itself; it used to stay until the server exited."""
+    pytest.importorskip("faster_whisper")
+    silence = tmp_path / "silence.wav"
+    with wave.open(str(silence), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(bytes(32000))
+    sup = Supervisor(bundled_spec("whisper-tiny.en"), Exits(), settings=SETTINGS)
+    info = run(sup.start({"threads": 1}))
+    run(collect(sup.request("transcribe", {"audio_path": str(silence)})))
+    # glibc maps a semaphore under a temporary name, then links it to its real one: the
+    # inode is what the runner's mapping and the /dev/shm entry share.
+    maps = Path(f"/proc/{info.pid}/maps").read_text().splitlines()
+    inodes = {int(line.split()[4]) for line in maps if "/dev/shm/sem." in line}
+    if not inodes:
+        pytest.skip("this faster-whisper makes no named semaphore")
+    run(sup.stop(SETTINGS.stop_grace))
+    assert pid_gone(info.pid) and sup.exit_cause == "exit code 0"
+    left = [f.name for f in Path("/dev/shm").iterdir() if f.stat().st_ino in inodes]
+    assert left == []
 
 
 # ---- stub engines at the edge --------------------------------------------------------
