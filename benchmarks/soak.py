@@ -13,9 +13,15 @@ first chunk, transcription, speech, embeddings; round-robin over the bundled mod
 kind, with the official openai client), idle-out, sample again.
 
 Targets, per round: anonymous bytes within 5 % of the baseline; no more fds (the client's
-pooled connections are closed before each sample), no more child processes, threads at
-most the baseline's plus the executor's workers (they stay idle).
+pooled connections are closed before each sample; the fds are also listed by kind, so a
+socket, a pipe and a file are told apart), no more child processes, threads at most the
+baseline's plus the executor's workers (they stay idle). Each sample notes the server's
+uptime: its memory monitor keeps one sample a second for monitor_history (600) s, a ring
+that fills during the first rounds by design (~2 KB a sample).
 Writes benchmarks/results/soak.{json,md}.
+
+--trace DIR runs the server under soak_trace.py and takes a heap probe at each sample
+(tracemalloc, glibc's and Python's allocator statistics): where the bytes went.
 """
 
 from __future__ import annotations
@@ -54,17 +60,32 @@ KINDS = ("chat", "stream", "cancel", "transcribe", "speak", "embed")
 _LISTENING = re.compile(r"elbowroom listening on (http://\S+)")
 
 
+def fd_kinds(pid: int) -> dict[str, int]:
+    """The server's open fds by what they point at (socket, pipe, anon_inode:[eventpoll],
+    a path): a count alone cannot tell a leak from a connection the client keeps open."""
+    kinds: Counter[str] = Counter()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:  # closed meanwhile
+            continue
+        kinds[re.sub(r":\[\d+\]$", "", target)] += 1
+    return dict(sorted(kinds.items()))
+
+
 def snapshot(pid: int) -> dict[str, Any]:
     """What the server tree holds now: anonymous bytes, fds, threads, children."""
     root = psutil.Process(pid)
     children = root.children(recursive=True)
+    fds = fd_kinds(pid)
     mems = [process_memory(proc.pid) for proc in [root, *children]]
     anonymous = sum(m.anonymous for m in mems if m is not None)
     server = mems[0]
     return {
         "anonymous": anonymous,
         "server_anonymous": server.anonymous if server is not None else 0,
-        "fds": len(os.listdir(f"/proc/{pid}/fd")),
+        "fds": sum(fds.values()),
+        "fd_kinds": fds,
         "threads": root.num_threads(),
         "children": sorted(c.pid for c in children),
         "child_cmds": [" ".join(c.cmdline())[:80] for c in children],
@@ -80,6 +101,7 @@ def sample(pid: int, seconds: float = 3.0) -> dict[str, Any]:
         "server_anonymous": int(statistics.median(r["server_anonymous"] for r in taken)),
         "fds": int(statistics.median(r["fds"] for r in taken)),
         "threads": int(statistics.median(r["threads"] for r in taken)),
+        "fd_kinds": last["fd_kinds"],
         "children": last["children"],
         "child_cmds": last["child_cmds"],
         "samples": len(taken),
@@ -216,7 +238,9 @@ def link_gemma(home: Path) -> None:
         target.symlink_to(source)
 
 
-def start_server(home: Path, idle: float) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(
+    home: Path, idle: float, trace: Path | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
     link_gemma(home)
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELBOWROOM_")}
     env.update(
@@ -227,10 +251,14 @@ def start_server(home: Path, idle: float) -> tuple[subprocess.Popen[bytes], str]
         ELBOWROOM_KEEP_ALIVE=str(idle),
         PYTHONUNBUFFERED="1",
     )
+    entry = ["-m", "elbowroom"]
+    if trace is not None:
+        env["SOAK_TRACE_DIR"] = str(trace)
+        entry = [str(Path(__file__).with_name("soak_trace.py"))]
     log_path = home / "server.log"
     with open(log_path, "wb") as log:
         server = subprocess.Popen(
-            [sys.executable, "-m", "elbowroom", "serve", "--port", "0", "--ctx", "512"],
+            [sys.executable, *entry, "serve", "--port", "0", "--ctx", "512"],
             cwd=REPO,
             env=env,
             stdout=log,
@@ -263,25 +291,48 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--idle", type=float, default=10.0, help="keep-alive / resident idle")
     parser.add_argument("--out", default="soak", help="results/<out>.{json,md}")
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        help="run the server under soak_trace.py; heap probes at each sample land in DIR",
+    )
     args = parser.parse_args()
 
     home = Path(tempfile.mkdtemp(prefix="elbowroom-soak-"))
     load_start = os.getloadavg()
-    server, url = start_server(home, args.idle)
+    server, url = start_server(home, args.idle, args.trace)
+    began = time.monotonic()
+
+    def take() -> dict[str, Any]:
+        # The server's uptime says how full its memory monitor's ring buffer is: one sample
+        # a second for the last monitor_history (600) s, ~2 KB each, counted like the rest.
+        return {**sample(server.pid), "uptime": round(time.monotonic() - began)}
+
+    probes = itertools.count()
+
+    def probe() -> None:
+        if args.trace is not None:  # the heap as each sample saw it (soak_trace.py)
+            n = next(probes)
+            server.send_signal(signal.SIGUSR1)
+            wait_for((args.trace / f"{n}.pickle").is_file, 120, f"heap probe {n}")
+
     try:
-        cold = sample(server.pid)
+        cold = take()
+        probe()
         models = bundled_models(url)
         work = Workload(url, models, args.max_tokens)
         warm = run_requests(work, args.warmup, args.concurrency, 0)
         warm_idle = idle_out(url, args.idle + 180)
         work.hang_up()
-        base = sample(server.pid)
+        base = take()
+        probe()
         rounds = []
         for r in range(args.rounds):
             ran = run_requests(work, args.requests, args.concurrency, (r + 1) * 100_000)
             idle = idle_out(url, args.idle + 180)
             work.hang_up()
-            after = sample(server.pid)
+            after = take()
+            probe()
             rounds.append({"round": r, **ran, "idle_out_seconds": idle, "after": after})
             rounds[-1].update(judge(base, after))
             print(f"round {r}: {ran['ok']}/{ran['requests']} ok, {rounds[-1]['delta_percent']} %")
@@ -313,7 +364,7 @@ def main() -> None:
         "exit_code": server.returncode,
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     (RESULTS / f"{args.out}.md").write_text(report(result))
     print(report(result))
 
@@ -346,11 +397,12 @@ def report(r: dict[str, Any]) -> str:
         f"{r['machine']['python']}; load average {r['machine']['load_start']} at start, "
         f"{r['machine']['load_end']} at the end.",
         "",
-        "| moment | anonymous (tree) | server anonymous | fds | threads | children |",
-        "|---|---:|---:|---:|---:|---:|",
-        f"| cold start | {mib(r['cold']['anonymous'])} | {mib(r['cold']['server_anonymous'])} "
-        f"| {r['cold']['fds']} | {r['cold']['threads']} | {len(r['cold']['children'])} |",
-        f"| baseline (warm, idle) | {mib(base['anonymous'])} | "
+        "| moment | uptime | anonymous (tree) | server anonymous | fds | threads | children |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+        f"| cold start | {r['cold']['uptime']} s | {mib(r['cold']['anonymous'])} | "
+        f"{mib(r['cold']['server_anonymous'])} | {r['cold']['fds']} | {r['cold']['threads']} "
+        f"| {len(r['cold']['children'])} |",
+        f"| baseline (warm, idle) | {base['uptime']} s | {mib(base['anonymous'])} | "
         f"{mib(base['server_anonymous'])} | {base['fds']} | {base['threads']} | "
         f"{len(base['children'])} |",
     ]
@@ -358,11 +410,25 @@ def report(r: dict[str, Any]) -> str:
         a = x["after"]
         lines.append(
             f"| after round {x['round']} ({x['ok']}/{x['requests']} ok, {x['seconds']} s; "
-            f"idle-out {x['idle_out_seconds']} s) | {mib(a['anonymous'])} | "
+            f"idle-out {x['idle_out_seconds']} s) | {a['uptime']} s | {mib(a['anonymous'])} | "
             f"{mib(a['server_anonymous'])} | {a['fds']} | {a['threads']} | "
             f"{len(a['children'])} |"
         )
+    kinds = ", ".join(f"{k} {v}" for k, v in base["fd_kinds"].items())
+    changed = []
+    for x in r["rounds"]:
+        now = x["after"]["fd_kinds"]
+        moved = [
+            f"{k} {base['fd_kinds'].get(k, 0)} → {now.get(k, 0)}"
+            for k in sorted(set(base["fd_kinds"]) | set(now))
+            if base["fd_kinds"].get(k, 0) != now.get(k, 0)
+        ]
+        if moved:
+            changed.append(f"round {x['round']}: " + ", ".join(moved))
     lines += [
+        "",
+        f"The server's fds by kind at the baseline: {kinds}; "
+        + ("after every round the same." if not changed else "differing: " + "; ".join(changed)),
         "",
         f"Anonymous bytes after each round vs the baseline: {spread} (target within "
         f"{MEMORY_TOLERANCE:.0%}); fds and children no more than the baseline; threads at most "
