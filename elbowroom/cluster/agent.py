@@ -182,10 +182,14 @@ class NodeAgent:
         async def watch() -> None:
             code = await asyncio.to_thread(proc.wait)
             if not exit_future.done():
-                exit_future.set_result(f"rpc-server exited with {code}")
+                exit_future.set_result(f"rpc-server {_exit_text(code)}")
 
         asyncio.get_running_loop().create_task(watch())
-        return {"endpoint": f"{host}:{port}", "pid": proc.pid}
+        try:
+            measured = measure_pid(proc.pid)
+        except (ProcessLookupError, OSError):
+            measured = ZERO_PROCESS_MEMORY
+        return {"endpoint": f"{host}:{port}", "pid": proc.pid, "measured": measured}
 
     async def stop_rpc(self, key: str, grace: float) -> None:
         proc = self._rpc.pop(key, None)
@@ -232,3 +236,10 @@ def _accepts(host: str, port: int) -> bool:
 
 def _engine_error(message: str) -> dict[str, Any]:
     return {"class": "EngineError", "message": message, "code": "rpc_failed", "details": {}}
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by signal {signal.Signals(-code).name}"
+    return f"exited with code {code}"

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 from elbowroom.cluster.agent import NodeAgent
 from elbowroom.cluster.remote import Node, Reading, _ray_errors
 from elbowroom.cluster.router import ClusterScheduler, NodeEntry
+from elbowroom.cluster.share import NodeCatalog
 from elbowroom.config import Settings
 from elbowroom.errors import ElbowroomError
 from elbowroom.scheduler.events import EventLog
@@ -164,9 +165,10 @@ class ClusterServices:
 
         # Preloads and pins are placed by the router, not loaded on every node.
         per_node = self.settings.replace(preload=(), pin=(), override_memory=None)
+        catalog = NodeCatalog(self._catalog)  # + the shares of split models on this node
         scheduler = Scheduler(
             per_node,
-            self._catalog,
+            catalog,
             probe=node.snapshot,
             runner_factory=node.runner_factory,
             measured=self._measured,
@@ -187,7 +189,7 @@ class ClusterServices:
         # readings come every cluster_poll seconds.
         await guard.start()
         monitor.start()
-        return NodeEntry(node, scheduler, guard=guard, monitor=monitor)
+        return NodeEntry(node, scheduler, guard=guard, monitor=monitor, catalog=catalog)
 
     async def _retire(self, entry: NodeEntry) -> None:
         if entry.monitor is not None:

@@ -20,12 +20,12 @@ import itertools
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from elbowroom.errors import ElbowroomError, EngineError, RunnerCrashed, Unavailable
 from elbowroom.memory.types import ZERO_PROCESS_MEMORY, ProcessMemory, Snapshot
 from elbowroom.models.spec import ModelSpec
-from elbowroom.runtime.protocol import ExitCallback, ReadyInfo, Runner, RunnerState
+from elbowroom.runtime.protocol import ExitCallback, ReadyInfo, Runner, RunnerFactory, RunnerState
 
 log = logging.getLogger("elbowroom.cluster")
 
@@ -66,8 +66,11 @@ class Node:
         self.reading = reading
         self.alive = True
         self.gone_cause: str | None = None
-        self._runners: set[RemoteRunner] = set()
+        self._runners: set[_OnNode] = set()
         self._on_gone: list[Callable[[Node], None]] = []
+        # Runners made by another factory, by model id: a split model's share on this node
+        # (cluster.share.ShareRunner), registered by the router before its load.
+        self.factories: dict[str, RunnerFactory] = {}
 
     # ---- what the node's Scheduler and Monitor are given --------------------------------
 
@@ -81,9 +84,14 @@ class Node:
         return sum(m.resident for m in self.reading.runners.values()) + self.agent_bytes()
 
     def runner_factory(self, spec: ModelSpec, on_exit: ExitCallback) -> Runner:
-        runner = RemoteRunner(spec, on_exit, node=self)
+        make = self.factories.get(spec.id)
+        if make is not None:
+            return make(spec, on_exit)
+        return RemoteRunner(spec, on_exit, node=self)
+
+    def track(self, runner: _OnNode) -> None:
+        """``runner`` lives on this node: its requests fail at once if the node dies."""
         self._runners.add(runner)
-        return runner
 
     # ---- liveness ---------------------------------------------------------------------
 
@@ -109,8 +117,12 @@ class Node:
         for callback in self._on_gone:
             callback(self)
 
-    def forget(self, runner: RemoteRunner) -> None:
+    def forget(self, runner: _OnNode) -> None:
         self._runners.discard(runner)
+
+
+class _OnNode(Protocol):
+    def node_gone(self, cause: str) -> None: ...
 
 
 class RemoteRunner:
@@ -130,6 +142,7 @@ class RemoteRunner:
         self._pid: int | None = None
         self._exited = asyncio.Event()
         self._watch: asyncio.Task[None] | None = None
+        node.track(self)
 
     @property
     def pid(self) -> int | None:
@@ -270,7 +283,9 @@ class RemoteRunner:
         self._exited.set()
 
     def measure(self) -> ProcessMemory:
-        if self._state is not RunnerState.READY:
+        # While it loads too: the node's reading has it, and bytes left out of ours would
+        # look like another process growing (the guard's trend).
+        if self._state not in (RunnerState.STARTING, RunnerState.READY):
             return ZERO_PROCESS_MEMORY
         return self.node.reading.runners.get(self._key, ZERO_PROCESS_MEMORY)
 
