@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import signal
 import socket
@@ -25,6 +26,7 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from elbowroom.cluster.relay import END
 from elbowroom.cluster.rpc import RpcBindError, rpc_server_args
 from elbowroom.config import Settings
 from elbowroom.errors import ElbowroomError
@@ -60,6 +62,8 @@ class NodeAgent:
         self._runners: dict[str, Supervisor] = {}
         self._exits: dict[str, asyncio.Future[str | None]] = {}
         self._rpc: dict[str, subprocess.Popen[bytes]] = {}
+        self._pulls: dict[str, tuple[asyncio.Queue[dict[str, Any]], asyncio.Task[None]]] = {}
+        self._pull_ids = itertools.count(1)
 
     # ---- the node --------------------------------------------------------------------
 
@@ -117,6 +121,43 @@ class NodeAgent:
                 yield {"item": item}
         except ElbowroomError as exc:
             yield {"error": exc.to_wire()}
+
+    # ---- the same, pulled (Ray Client has no streaming generators: cluster/relay.py) ----
+
+    async def open_request(self, key: str, kind: str, payload: dict[str, Any]) -> str:
+        rid = f"{key}/{next(self._pull_ids)}"
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                async for msg in self.request(key, kind, payload):
+                    queue.put_nowait(msg)
+            finally:
+                queue.put_nowait(END)
+
+        self._pulls[rid] = (queue, asyncio.get_running_loop().create_task(pump()))
+        return rid
+
+    async def next_items(self, rid: str, wait: float) -> list[dict[str, Any]]:
+        """What arrived for ``rid``, waiting up to ``wait`` s for the first ([] if none)."""
+        pull = self._pulls.get(rid)
+        if pull is None:
+            return [{"error": _gone(rid)}, END]
+        queue = pull[0]
+        try:
+            items = [await asyncio.wait_for(queue.get(), wait)]
+        except TimeoutError:
+            return []
+        while not queue.empty():
+            items.append(queue.get_nowait())
+        if items[-1].get("end"):
+            del self._pulls[rid]
+        return items
+
+    async def cancel_request(self, rid: str) -> None:
+        pull = self._pulls.pop(rid, None)
+        if pull is not None:
+            pull[1].cancel()  # closes the runner's request: the supervisor cancels the work
 
     async def wait_exit(self, key: str) -> str | None:
         """The cause when the runner dies on its own; None when it was stopped."""

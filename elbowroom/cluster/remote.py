@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from elbowroom.cluster.relay import Pulled, Source, Streamed, client_mode
 from elbowroom.errors import ElbowroomError, EngineError, RunnerCrashed, Unavailable
 from elbowroom.memory.types import ZERO_PROCESS_MEMORY, ProcessMemory, Snapshot
 from elbowroom.models.spec import ModelSpec
@@ -226,14 +227,20 @@ class RemoteRunner:
     async def request(self, kind: str, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         if self._state is not RunnerState.READY:
             raise self._not_ready()
-        stream = self.node.agent.request.options(num_returns="streaming").remote(
-            self._key, kind, payload
-        )
+        source: Source
+        if client_mode():
+            try:
+                source = await Pulled.open(self.node.agent, self._key, kind, payload)
+            except _ray_errors() as exc:
+                self.node.mark_gone(f"node {self.node.name} is gone ({type(exc).__name__})")
+                raise self._crashed(self.node.gone_cause or "node gone") from None
+        else:
+            source = Streamed(self.node.agent, self._key, kind, payload)
         exited = asyncio.ensure_future(self._exited.wait())
         answered = False
         try:
             while True:
-                nxt = asyncio.ensure_future(_next(stream))
+                nxt = asyncio.ensure_future(source.next())
                 await asyncio.wait({nxt, exited}, return_when=asyncio.FIRST_COMPLETED)
                 if not nxt.done():  # the runner or its node died: fail now, not at Ray's pace
                     nxt.cancel()
@@ -260,7 +267,7 @@ class RemoteRunner:
             exited.cancel()
             if not answered:  # the consumer left early: cancel the work on the node
                 with contextlib.suppress(Exception):
-                    _cancel(stream)
+                    source.cancel()
 
     async def stop(self, grace: float) -> None:
         if self._state in (RunnerState.NEW, RunnerState.STOPPED):
@@ -271,8 +278,8 @@ class RemoteRunner:
         self._state = RunnerState.STOPPED
 
     async def _stop_remote(self, grace: float) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
+        # The exit watch is left to end by itself (the agent answers it once the process
+        # is stopped): a cancelled call is an error in Ray Client's reply thread.
         if self.node.alive:
             try:
                 await asyncio.wait_for(self.node.agent.stop.remote(self._key, grace), 4 * grace + 5)
@@ -319,19 +326,3 @@ class RemoteRunner:
         return Unavailable(
             f"runner for {self.spec.id} is {self._state.value}, not ready", retry_after=1.0
         )
-
-
-async def _next(stream: Any) -> dict[str, Any] | None:
-    """The next message of a Ray streaming generator, or None at its end."""
-    try:
-        ref = await stream.__anext__()
-    except StopAsyncIteration:
-        return None
-    value: dict[str, Any] = await ref
-    return value
-
-
-def _cancel(stream: Any) -> None:
-    import ray
-
-    ray.cancel(stream)

@@ -215,8 +215,8 @@ class ShareRunner:
 
     async def _stop_rpc(self, grace: float) -> None:
         self._done = True
-        if self._watch is not None:
-            self._watch.cancel()
+        # The exit watch is left to end by itself (the agent answers it once the process
+        # is stopped): a cancelled call is an error in Ray Client's reply thread.
         if self.node.alive:
             with contextlib.suppress(TimeoutError, *_ray_errors()):
                 await asyncio.wait_for(

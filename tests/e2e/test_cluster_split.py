@@ -176,9 +176,7 @@ def test_split_shares_are_node_residents_and_pressure_on_one_node_stops_the_spli
             got: list[dict[str, Any]] = []
             with pytest.raises(MemoryPressure) as err:
                 async with router.use(SMOLLM2) as runner:
-                    async for item in runner.request(
-                        "completion", {**COUNTING, "max_tokens": 400}
-                    ):
+                    async for item in runner.request("completion", {**COUNTING, "max_tokens": 400}):
                         got.append(item)
                         if len(got) == 1:
                             actions = await b.guard.apply(hard)

@@ -64,7 +64,7 @@ def test_share_compute_matches_llama_cpps_buffers_on_this_build() -> None:
 def test_a_share_that_does_not_fit_names_its_node() -> None:
     spec = bundled_spec(SMOLLM2)
     settings = Settings(ctx=512, slots=1)
-    with pytest.raises(SplitError, match="node a would hold .* and the split's engine"):
+    with pytest.raises(SplitError, match=r"node a would hold .* and the split's engine"):
         plan_split(spec, settings, {"a": 150 * MiB, "b": 140 * MiB})
     with pytest.raises(SplitError, match="at least two nodes"):
         plan_split(spec, settings, {"a": 900 * MiB, "b": MiB})
