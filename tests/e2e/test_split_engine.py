@@ -3,8 +3,9 @@
 Needs the RPC build (``scripts/rpc_engine.sh``: rpc-server and an RPC-enabled
 llama-server); skips without it. Two RPC servers on 127.0.0.1 stand for two nodes with
 2:1 free memory: the layers follow that ratio (read from the engine's own per-layer
-device assignment), and the split model's greedy output equals the unsplit model's on
-the same llama.cpp build. (elbowroom's usual engine, the PyPI xllamacpp wheel, rounds
+device assignment), each device's compute buffer is what the split plan predicts for a
+share (cluster/split_plan.share_compute), and the split model's greedy output equals the
+unsplit model's on the same llama.cpp build. (elbowroom's usual engine, the PyPI xllamacpp wheel, rounds
 slightly differently: its greedy text for this prompt parts from both after 5 tokens.)
 """
 
@@ -23,6 +24,7 @@ from bundled_models import bundled_spec
 
 from elbowroom.cluster.rpc import rpc_server_args
 from elbowroom.cluster.split import split_layers
+from elbowroom.cluster.split_plan import share_compute
 from elbowroom.engines.llama_rpc import RpcLlamaEngine, default_binary
 
 pytestmark = pytest.mark.slow
@@ -35,6 +37,7 @@ if not (RPC_SERVER.is_file() and LLAMA_SERVER.is_file()):
     )
 
 SMOLLM2 = "smollm2-135m"
+MiB = 1024**2
 PROMPT = {"prompt": "The capital of France is Paris. The capital of Italy is", "temperature": 0}
 OPTIONS = {"n_ctx": 512, "slots": 1, "kv_type": "f16", "cache_ram_bytes": 0, "kv_cache": False}
 
@@ -116,6 +119,16 @@ def test_split_places_layers_by_free_memory_and_matches_the_unsplit_output(
     )
     # RPC devices are numbered in --rpc order: RPC0 is the first endpoint.
     assert placed == {f"RPC{i}": n for i, n in enumerate(counts)}, placed
+    # The compute buffer each RPC device reserved, against the split plan's prediction
+    # (cluster/split_plan.share_compute): covered, and by less than 1.5 MiB too much.
+    reported = {
+        ep: float(mib)
+        for ep, mib in re.findall(r"RPC\d+\[([\d.:]+)\] compute buffer size =\s+([\d.]+) MiB", log)
+    }
+    assert set(reported) == set(rpc_servers), reported
+    for i, endpoint in enumerate(rpc_servers):
+        predicted = share_compute(spec.gguf, 512, 1, first=i == 0) / MiB
+        assert reported[endpoint] <= predicted <= reported[endpoint] + 1.5, (i, reported)
 
     # The unsplit model on the same llama.cpp build (no RPC devices, this CPU).
     plain = RpcLlamaEngine()
