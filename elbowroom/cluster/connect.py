@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 from elbowroom.cluster.agent import NodeAgent
 from elbowroom.cluster.remote import Node, Reading, _ray_errors
 from elbowroom.cluster.router import ClusterScheduler, NodeEntry
-from elbowroom.cluster.share import NodeCatalog
+from elbowroom.cluster.share import NodeCatalog, share_id
 from elbowroom.config import Settings
 from elbowroom.errors import ElbowroomError
 from elbowroom.scheduler.events import EventLog
@@ -164,7 +164,17 @@ class ClusterServices:
         from elbowroom.scheduler.loop import Scheduler
 
         # Preloads and pins are placed by the router, not loaded on every node.
-        per_node = self.settings.replace(preload=(), pin=(), override_memory=None)
+        # A split model's share serves as many requests at once as the model's engine.
+        share_slots = tuple(
+            f"{share_id(name.strip())}={n}"
+            for name, _, n in (item.partition("=") for item in self.settings.model_slots)
+        )
+        per_node = self.settings.replace(
+            preload=(),
+            pin=(),
+            override_memory=None,
+            model_slots=(*self.settings.model_slots, *share_slots),
+        )
         catalog = NodeCatalog(self._catalog)  # + the shares of split models on this node
         scheduler = Scheduler(
             per_node,

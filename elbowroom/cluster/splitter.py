@@ -223,6 +223,8 @@ async def start_split(
             f"the split of {spec.id} went down while it started ({running.cause}); retry",
             code="runner_crashed",
         )
+    if running.levels:  # a node's guard spoke while the engine loaded
+        engine.set_pressure(max(running.levels.values()))
     log.info(
         "split %s over %s (layers %s)",
         spec.id,

@@ -5,8 +5,9 @@ llama-server); skips without it. Two RPC servers on 127.0.0.1 stand for two node
 2:1 free memory: the layers follow that ratio (read from the engine's own per-layer
 device assignment), each device's compute buffer is what the split plan predicts for a
 share (cluster/split_plan.share_compute), and the split model's greedy output equals the
-unsplit model's on the same llama.cpp build. (elbowroom's usual engine, the PyPI xllamacpp wheel, rounds
-slightly differently: its greedy text for this prompt parts from both after 5 tokens.)
+unsplit model's on the same llama.cpp build. (elbowroom's usual engine, the PyPI
+xllamacpp wheel, rounds slightly differently: its greedy text for this prompt parts from
+both after 5 tokens.)
 """
 
 from __future__ import annotations
