@@ -255,17 +255,11 @@ class ClusterScheduler:
             "kv_disk_max": s.kv_disk_max,
             "kv_block_tokens": s.kv_block_tokens,
         }
-        slots = {
-            e.node.name: NodeSlot(e.node, e.scheduler, e.catalog or NodeCatalog(self._catalog),
-                                  e.guard)
-            for e in self.live()
-        }  # fmt: skip
+        slots = {e.node.name: self._slot(e) for e in self.live()}
         running = RunningSplit(plan)
+        bin_dir = s.rpc_bin_dir or rpc_build_dir()
         try:
-            await start_split(
-                spec, running, slots, options, s.rpc_bin_dir or rpc_build_dir(),
-                self._split_down, pin,
-            )  # fmt: skip
+            await start_split(spec, running, slots, options, bin_dir, self._split_down, pin)
         except BaseException:
             running.closed = True
             await asyncio.shield(stop_split(running, 2.0))
@@ -274,6 +268,11 @@ class ClusterScheduler:
         layers = dict(plan.split.layers)
         self.events.add("split", model_id, f"split {model_id} over {layers}", layers=layers)
         return running
+
+    def _slot(self, e: NodeEntry) -> NodeSlot:
+        if e.catalog is None:  # connect.ClusterServices gives every node its scheduler's
+            raise RuntimeError(f"node {e.node.name} has no catalog its scheduler reads")
+        return NodeSlot(e.node, e.scheduler, e.catalog, e.guard)
 
     def _split_down(self, running: RunningSplit, cause: str) -> None:
         """A part of a split stopped or died: fail its requests now, unload the rest on

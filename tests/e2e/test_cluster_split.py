@@ -170,8 +170,15 @@ def test_split_shares_are_node_residents_and_pressure_on_one_node_stops_the_spli
             # down on every node and its memory comes back.
             latest = b.monitor.latest
             assert latest is not None
+            # Our bytes over the hard threshold, as if the share had grown past its
+            # prediction: what is available shrinks by as much (others hold the same).
+            grown = latest.limit.hard + 64 * MiB - latest.own_usage
+            snap = latest.snapshot
             hard = dataclasses.replace(
-                latest, level=Pressure.HARD, own_usage=latest.limit.hard + 64 * MiB
+                latest,
+                level=Pressure.HARD,
+                own_usage=latest.own_usage + grown,
+                snapshot=dataclasses.replace(snap, available=max(0, snap.available - grown)),
             )
             got: list[dict[str, Any]] = []
             with pytest.raises(MemoryPressure) as err:
