@@ -5,6 +5,7 @@ requests, a forced offload refused with 507, and (two GPUs) a split measured per
     python benchmarks/gpu_bench.py synth  DIR [--tiny]        # random-weight models
     python benchmarks/gpu_bench.py vram   OUT MODEL... [--ctx 2048 8192] [--slots 1 8]
     python benchmarks/gpu_bench.py speed  OUT MODEL [--rounds 5] [--tokens 128]
+    python benchmarks/gpu_bench.py guard  OUT MODEL                # a neighbour takes VRAM
     python benchmarks/gpu_bench.py capped OUT --cap 16GiB MODEL...
     python benchmarks/gpu_bench.py refuse OUT --cap 16GiB MODEL
     python benchmarks/gpu_bench.py split  OUT MODEL --free GIB,GIB --ctx 2048 --slots 4
@@ -466,6 +467,125 @@ def speed(out: Path, path: Path, rounds: int, tokens: int, ctx: int = 2048, slot
         server.close()
 
 
+# ------------------------------------------------------------------------- guard on a GPU
+
+NEIGHBOUR = r"""
+import json, sys, time
+import torch
+want, patience = int(sys.argv[1]), float(sys.argv[2])
+held, log, t0, failed_since = [], [], time.time(), None
+free = torch.cuda.mem_get_info()[0]
+if free > 2**31:  # the free part at once, then 256 MiB steps into ours
+    held.append(torch.empty(free - 2**31, dtype=torch.uint8, device="cuda"))
+while sum(x.numel() for x in held) < want:
+    try:
+        held.append(torch.empty(min(2**28, want - sum(x.numel() for x in held)),
+                                dtype=torch.uint8, device="cuda"))
+        failed_since = None
+    except torch.cuda.OutOfMemoryError:
+        failed_since = failed_since or time.time()
+        if time.time() - failed_since > patience:
+            break
+        time.sleep(0.05)
+        continue
+    time.sleep(0.02)
+got = sum(x.numel() for x in held)
+print(json.dumps({"wanted": want, "got": got, "seconds": round(time.time() - t0, 2),
+                  "waited_for_memory": round(time.time() - failed_since, 2) if failed_since else 0,
+                  "ok": got >= want}), flush=True)
+"""
+
+
+def guard(out: Path, path: Path, guarded: bool, streams: int = 8, patience: float = 10) -> None:
+    """A neighbour process on the GPU takes VRAM (256 MiB steps) until it needs some of
+    what our model holds, while eight long generations run on that model. With the guard
+    the GPU pool turns hard, the work on that GPU is aborted (clients get memory_pressure)
+    and the model unloaded, and the neighbour gets its memory; without it the neighbour
+    waits ``patience`` seconds and gives up (CUDA out of memory)."""
+    import httpx
+
+    model = path.stem
+    args = ["--slots", str(streams), "--ctx", "8192"] + ([] if guarded else ["--no-memory-guard"])
+    server = Server([path], out / f"guard_{'on' if guarded else 'off'}.log", {}, *args)
+    outcomes: list[dict[str, Any]] = []
+    first = threading.Event()
+
+    def one(i: int) -> None:
+        t, n, err = time.time(), 0, None
+        try:
+            with httpx.stream(
+                "POST",
+                server.url + "/v1/completions",
+                json=body(i, 4000, model),
+                timeout=300,
+            ) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {") and '"error"' in line:
+                        err = json.loads(line[6:])["error"].get("code")
+                    elif line.startswith("data: {"):
+                        n += 1
+                        first.set()
+                status = r.status_code
+        except httpx.HTTPError as exc:
+            status, err = 0, type(exc).__name__
+        outcomes.append(
+            {"status": status, "events": n, "error": err, "s": round(time.time() - t, 2)}
+        )
+
+    try:
+        httpx.post(f"{server.url}/api/models/{model}/load", timeout=120).raise_for_status()
+        ours = sum(x.get("gpu", 0) for x in ps_rows(server.url))
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
+        started = time.time()
+        for th in threads:
+            th.start()
+        first.wait(60)
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        free = int(pynvml.nvmlDeviceGetMemoryInfo(h).free)
+        want = free + ours // 2  # half of what our model holds must come back
+        t0 = time.time()
+        nb = subprocess.run(
+            [sys.executable, "-c", NEIGHBOUR, str(want), str(patience)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        neighbour = json.loads(nb.stdout.strip().splitlines()[-1]) if nb.stdout else {}
+        neighbour["stderr"] = nb.stderr[-300:]
+        for th in threads:
+            th.join(timeout=120)
+        rows = ps_rows(server.url)
+        events = httpx.get(server.url + "/api/guard", timeout=10).json()
+    finally:
+        server.close()
+    text = server.log.read_text()
+    lines = [ln for ln in text.splitlines() if "pressure" in ln.lower() or "abort" in ln.lower()]
+    emit(
+        out,
+        "guard",
+        {
+            "guard": guarded,
+            "model": model,
+            "ours_gpu": ours,
+            "neighbour": neighbour,
+            "neighbour_started_after_s": round(t0 - started, 2),
+            "clients": outcomes,
+            "loaded_after": {x["id"]: x.get("state") for x in rows},
+            "server_cuda_oom": sum(
+                text.lower().count(k) for k in ("out of memory", "cudamalloc failed")
+            ),
+            "guard_log": lines[-12:],
+            "guard_events": [
+                {k: e.get(k) for k in ("wall", "kind", "level", "model", "message")}
+                for e in (events.get("events") or [])
+            ][-12:],
+        },
+    )
+
+
 # ------------------------------------------------------------------------- capped pool
 
 
@@ -614,6 +734,9 @@ def main() -> None:
         vram(out, models, a.ctx, a.slots)
     elif a.phase == "speed":
         speed(out, models[0], a.rounds, a.tokens)
+    elif a.phase == "guard":
+        for guarded in (True, False):
+            guard(out, models[0], guarded)
     elif a.phase == "capped":
         order = a.order.split(",") if a.order else [m.stem for m in models] * 2
         capped(out, models, a.cap, order)
