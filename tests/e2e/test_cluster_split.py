@@ -51,6 +51,7 @@ SHARE = SMOLLM2 + "~share"
 IDLE = "whisper-tiny.en"  # ~283 MiB predicted: loaded idle on B, in the split's way
 PROMPT = {"prompt": "The capital of France is Paris. The capital of Italy is", "temperature": 0}
 COUNTING = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "temperature": 0}
+TOKENS = 8  # compared with the unsplit model's greedy text
 
 
 @pytest.fixture(scope="module")
@@ -102,12 +103,12 @@ async def complete(router: Any, body: dict[str, Any], max_tokens: int) -> list[d
         return [i async for i in runner.request("completion", {**body, "max_tokens": max_tokens})]
 
 
-def test_split_shares_are_node_residents_and_pressure_on_one_node_stops_the_split(
+def test_split_shares_are_node_residents_and_hard_pressure_on_one_node_stops_the_split(
     cluster: Any,
 ) -> None:
     from elbowroom.cluster.connect import ClusterServices
 
-    expected = unsplit_text(16)
+    expected = unsplit_text(TOKENS)
 
     async def main() -> None:
         settings = Settings(
@@ -124,7 +125,7 @@ def test_split_shares_are_node_residents_and_pressure_on_one_node_stops_the_spli
             for e in router.live():
                 decision, _ = e.scheduler.preview(SMOLLM2)
                 assert type(decision).__name__ == "Refuse"
-            items = await complete(router, PROMPT, 16)
+            items = await complete(router, PROMPT, TOKENS)
             assert items[-1]["text"] == expected
             # B's share made its room by evicting B's idle model (B's byte-based order).
             evicted = [
@@ -198,19 +199,40 @@ def test_split_shares_are_node_residents_and_pressure_on_one_node_stops_the_spli
             unloads = [ev for ev in router.events.recent(600) if ev.model == SHARE]
             assert any(ev.detail.get("reason") == "pressure" for ev in unloads)
             await wait_for(lambda: b.guard.admission_open(), 30, "B to admit again")
+        finally:
+            await router.close()
 
+    asyncio.run(main())
+
+
+def test_a_split_fails_fast_and_splits_again_when_a_part_dies(cluster: Any) -> None:
+    """Runs last: it removes node B from the module's cluster."""
+    from elbowroom.cluster.connect import ClusterServices
+
+    expected = unsplit_text(TOKENS)
+
+    async def main() -> None:
+        settings = Settings(
+            cluster=cluster.address, cluster_poll=0.25, load_timeout=120.0, stop_grace=2.0,
+            slots=4, ctx=2048, kv_cache=False, kv_ram_max=0,
+        )  # fmt: skip
+        cs = ClusterServices(settings, discover(settings), None)
+        router = await cs.build()
+        a, b = entry_of(router, cluster, "a"), entry_of(router, cluster, "b")
+        try:
             # An RPC server that dies takes the split down; the next request splits again.
-            items = await complete(router, PROMPT, 16)
+            items = await complete(router, PROMPT, TOKENS)
             assert items[-1]["text"] == expected
             (row,) = [r for r in router.ps() if r["id"] == SMOLLM2]
             os.kill(row["rpc_pids"][0], signal.SIGKILL)
             await wait_for(lambda: router.ps() == [], 30, "the split to be taken down")
             crash = [ev for ev in router.events.recent(600) if ev.kind == "crash"]
             assert any(ev.model == SHARE and "SIGKILL" in ev.message for ev in crash)
-            items = await complete(router, PROMPT, 16)
+            items = await complete(router, PROMPT, TOKENS)
             assert items[-1]["text"] == expected
             (again,) = [r for r in router.ps() if r["id"] == SMOLLM2]
-            assert again["rpc_pids"] != row["rpc_pids"] and set(again["split"]) == set(layers)
+            assert again["rpc_pids"] != row["rpc_pids"]
+            assert set(again["split"]) == {a.node.name, b.node.name}
 
             # Kill node B mid-stream: the request fails at once, naming the cause.
             got = []
