@@ -48,9 +48,17 @@ def _import_ray() -> Any:
     return ray
 
 
+# Ray Client's per-client server sometimes dies as the proxy forks it (a gRPC race,
+# ray-project/ray#63202: "Initialization failure from server"); a new connection works.
+CLIENT_ATTEMPTS = 3
+
+
 def join(address: str) -> Any:
     ray = _import_ray()
-    if not ray.is_initialized():
+    attempts = CLIENT_ATTEMPTS if address.startswith("ray://") else 1
+    for attempt in range(1, attempts + 1):
+        if ray.is_initialized():
+            break
         try:
             ray.init(
                 address=address,
@@ -59,6 +67,10 @@ def join(address: str) -> Any:
                 configure_logging=False,
             )
         except (ConnectionError, RuntimeError, ValueError) as exc:
+            if attempt < attempts and "Initialization failure from server" in str(exc):
+                log.warning("Ray Client could not start a server for us (%s); retrying", exc)
+                ray.shutdown()
+                continue
             raise ClusterError(
                 f"cannot join the Ray cluster at {address!r}: {exc}. Start one with "
                 "`ray start --head` (docs/cluster.md), or give its address"
