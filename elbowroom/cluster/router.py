@@ -25,14 +25,8 @@ from elbowroom.cluster.placement import ClusterRefusal, NodeOption, choose
 from elbowroom.cluster.pressure import cluster_pressure
 from elbowroom.cluster.share import SHARE_SUFFIX, NodeCatalog
 from elbowroom.cluster.split import SplitError
-from elbowroom.cluster.split_plan import SplitPlan, plan_split
-from elbowroom.cluster.splitter import (
-    NodeSlot,
-    RunningSplit,
-    plan_rooms,
-    start_split,
-    stop_split,
-)
+from elbowroom.cluster.split_plan import SplitPlan, plan_rooms, plan_split
+from elbowroom.cluster.splitter import NodeSlot, RunningSplit, start_split, stop_split
 from elbowroom.config import Settings
 from elbowroom.errors import ElbowroomError, InsufficientMemory
 from elbowroom.memory.types import Pressure

@@ -23,7 +23,7 @@ first, then with what evicting idle models would free (docs/cluster.md).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from elbowroom.cluster.split import LayerSplit, SplitError, split_layers
@@ -36,6 +36,7 @@ __all__ = [
     "ShareCost",
     "SplitPlan",
     "engine_bytes",
+    "plan_rooms",
     "plan_split",
     "share_compute",
     "split_context",
@@ -235,3 +236,11 @@ def plan_split(spec: ModelSpec, settings: Settings, room: Mapping[str, int]) -> 
                 "add a node, free memory there, or set a smaller --ctx"
             )
     return SplitPlan(spec.id, split, n_ctx, slots, kv_type, shares)
+
+
+def plan_rooms(entries: Sequence[tuple[str, int, int]]) -> tuple[dict[str, int], dict[str, int]]:
+    """(node name, available, evictable) -> the rooms to plan a split with: what is free
+    now, then what evicting idle models would make free."""
+    free = {name: available for name, available, _ in entries if available > 0}
+    evict = {name: a + e for name, a, e in entries if a + e > 0}
+    return free, evict

@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -173,7 +173,7 @@ async def start_split(
         slot = slots[name]
         hooks = ShareHooks(
             bin_dir / "rpc-server",
-            on_stop=functools.partial(_share_stopped, running, on_down),
+            on_stop=functools.partial(on_down, running),
             on_level=functools.partial(running.set_level, name),
         )
         slot.catalog.shares[sid] = share_spec(spec, plan, name)
@@ -240,12 +240,6 @@ def _share_factory(node: Any, hooks: ShareHooks) -> Callable[[ModelSpec, ExitCal
     return make
 
 
-def _share_stopped(
-    running: RunningSplit, on_down: Callable[[RunningSplit, str], None], cause: str
-) -> None:
-    on_down(running, cause)
-
-
 async def stop_split(running: RunningSplit, grace: float) -> None:
     """Stop the engine, then unload every node's share through its scheduler (a share
     still held by a failing request goes as soon as it is released), and wait for each
@@ -261,11 +255,3 @@ async def stop_split(running: RunningSplit, grace: float) -> None:
         *(s.scheduler.unload(s.id, reason="split") for s in live), return_exceptions=True
     )
     await asyncio.gather(*(s.node.refresh() for s in live), return_exceptions=True)
-
-
-def plan_rooms(entries: Sequence[tuple[str, int, int]]) -> tuple[dict[str, int], dict[str, int]]:
-    """PURE: (node name, available, evictable) -> the rooms to plan a split with: what is
-    free now, then what evicting idle models would make free."""
-    free = {name: available for name, available, _ in entries if available > 0}
-    evict = {name: a + e for name, a, e in entries if a + e > 0}
-    return free, evict

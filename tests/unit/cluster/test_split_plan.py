@@ -10,10 +10,10 @@ from elbowroom.cluster.split import SplitError
 from elbowroom.cluster.split_plan import (
     RPC_SERVER_RUNTIME,
     engine_bytes,
+    plan_rooms,
     plan_split,
     share_compute,
 )
-from elbowroom.cluster.splitter import plan_rooms
 from elbowroom.config import Settings
 from elbowroom.models.estimate import compute_bytes, kv_bytes
 from elbowroom.units import MiB
