@@ -10,14 +10,20 @@ Every param is one of three kinds, and docs/api.md lists each:
 
 Anything else is a 400 naming the unknown param (``extra="forbid"``): a typo or a param of
 another API is never silently ignored.
+
+This is the one validation of a text request: ``to_engine`` turns a valid body into the
+engine's ``TextRequest`` (engines/requests.py), which the engine translates without
+checking it again.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
+from elbowroom.engines.requests import TextKind, TextRequest
 from elbowroom.server.chat_schemas import (
     STRICT,
     ChatMessage,
@@ -118,20 +124,25 @@ class _Sampling(_Refusing):
         """The token ids ``logit_bias`` names (the route checks them against the vocabulary)."""
         return [int(k) for k in self.logit_bias or {}]
 
-    def sampling(self, max_tokens: int | None) -> dict[str, Any]:
-        """The engine payload's sampling keys (engines/llama.py); None lets the engine
-        choose."""
-        return {
-            "max_tokens": max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "seed": None if self.seed is None else self.seed % SEED_MODULUS,
-            "stop": self.stop_list(),
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "logit_bias": self.logit_bias,
-            "cache_salt": self.cache_salt,
-        }
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """The value and the param that gave it."""
+        return self.max_tokens, "max_tokens"
+
+    def _request(self, kind: TextKind, max_tokens: int) -> TextRequest:
+        """The TextRequest fields both routes share; None lets the engine choose."""
+        return TextRequest(
+            kind=kind,
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=None if self.seed is None else self.seed % SEED_MODULUS,
+            stop=tuple(self.stop_list()),
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=self.logit_bias,
+            isolated=self.cache_salt is not None,
+            stream=bool(self.stream),
+        )
 
 
 class ChatCompletionRequest(_Sampling):
@@ -239,20 +250,26 @@ class ChatCompletionRequest(_Sampling):
         """Alternatives per token the client asked for; None: no logprobs."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def sampling(self, max_tokens: int | None) -> dict[str, Any]:
-        out = super().sampling(max_tokens)
+    def to_engine(
+        self, max_tokens: int, messages: list[dict[str, Any]] | None = None
+    ) -> TextRequest:
+        """The engine's request (``max_tokens`` already clamped by the caller);
+        ``messages`` replaces the schema's own engine messages (the Ollama route keeps
+        its conversation's tool calls)."""
         choice = self.tool_choice
-        out.update(
+        if messages is None:
+            messages = [m.to_engine() for m in self.messages]
+        return replace(
+            self._request("chat", max_tokens),
+            messages=tuple(messages),
             response_format=self.response_format.to_engine() if self.response_format else None,
-            tools=[t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None,
+            tools=tuple(t.model_dump(exclude_none=True) for t in self.tools or ()),
             tool_choice=choice.model_dump() if isinstance(choice, NamedToolChoice) else choice,
             parallel_tool_calls=self.parallel_tool_calls,
-            logprobs=True if self.logprobs else None,
             # The engine sends no logprobs at all for top_logprobs 0: ask for one
             # alternative and drop it in the response (shapes.Logprobs).
-            top_logprobs=max(1, self.top_logprobs or 0) if self.logprobs else None,
+            logprobs=max(1, self.top_logprobs or 0) if self.logprobs else None,
         )
-        return out
 
 
 class CompletionRequest(_Sampling):
@@ -297,17 +314,18 @@ class CompletionRequest(_Sampling):
     def prompt_text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
-    def requested_max_tokens(self) -> tuple[int | None, str]:
-        return self.max_tokens, "max_tokens"
-
     def top_count(self) -> int | None:
         return self.logprobs
 
-    def sampling(self, max_tokens: int | None) -> dict[str, Any]:
-        out = super().sampling(max_tokens)
-        # As for chat: ask for at least one alternative, so the engine sends logprobs.
-        out["logprobs"] = None if self.logprobs is None else max(1, self.logprobs)
-        return out
+    def to_engine(
+        self, max_tokens: int, messages: list[dict[str, Any]] | None = None
+    ) -> TextRequest:
+        return replace(
+            self._request("completion", max_tokens),
+            prompt=self.prompt_text(),
+            # As for chat: ask for at least one alternative, so the engine sends logprobs.
+            logprobs=None if self.logprobs is None else max(1, self.logprobs),
+        )
 
 
 def _show(choice: Any) -> str:
