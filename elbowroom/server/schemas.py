@@ -18,12 +18,11 @@ checking it again.
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, TypedDict
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
-from elbowroom.engines.requests import TextKind, TextRequest
+from elbowroom.engines.requests import TextRequest
 from elbowroom.server.chat_schemas import (
     STRICT,
     ChatMessage,
@@ -46,6 +45,20 @@ KeepAlive = int | float | str
 SEED_MODULUS = 0xFFFFFFFF
 MAX_TOP_LOGPROBS = 20  # chat (OpenAI's limit)
 MAX_LEGACY_LOGPROBS = 5  # /v1/completions (OpenAI's limit)
+
+
+class _SharedFields(TypedDict):
+    """What both text routes put into a TextRequest (typed, so mypy checks the ``**``)."""
+
+    temperature: float | None
+    top_p: float | None
+    seed: int | None
+    stop: tuple[str, ...]
+    presence_penalty: float | None
+    frequency_penalty: float | None
+    logit_bias: dict[str, float] | None
+    isolated: bool
+    stream: bool
 
 
 class StreamOptions(BaseModel):
@@ -128,21 +141,19 @@ class _Sampling(_Refusing):
         """The value and the param that gave it."""
         return self.max_tokens, "max_tokens"
 
-    def _request(self, kind: TextKind, max_tokens: int) -> TextRequest:
+    def _sampling(self) -> _SharedFields:
         """The TextRequest fields both routes share; None lets the engine choose."""
-        return TextRequest(
-            kind=kind,
-            max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            seed=None if self.seed is None else self.seed % SEED_MODULUS,
-            stop=tuple(self.stop_list()),
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            logit_bias=self.logit_bias,
-            isolated=self.cache_salt is not None,
-            stream=bool(self.stream),
-        )
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": None if self.seed is None else self.seed % SEED_MODULUS,
+            "stop": tuple(self.stop_list()),
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "logit_bias": self.logit_bias,
+            "isolated": self.cache_salt is not None,
+            "stream": bool(self.stream),
+        }
 
 
 class ChatCompletionRequest(_Sampling):
@@ -259,8 +270,9 @@ class ChatCompletionRequest(_Sampling):
         choice = self.tool_choice
         if messages is None:
             messages = [m.to_engine() for m in self.messages]
-        return replace(
-            self._request("chat", max_tokens),
+        return TextRequest(
+            kind="chat",
+            max_tokens=max_tokens,
             messages=tuple(messages),
             response_format=self.response_format.to_engine() if self.response_format else None,
             tools=tuple(t.model_dump(exclude_none=True) for t in self.tools or ()),
@@ -269,6 +281,7 @@ class ChatCompletionRequest(_Sampling):
             # The engine sends no logprobs at all for top_logprobs 0: ask for one
             # alternative and drop it in the response (shapes.Logprobs).
             logprobs=max(1, self.top_logprobs or 0) if self.logprobs else None,
+            **self._sampling(),
         )
 
 
@@ -320,11 +333,13 @@ class CompletionRequest(_Sampling):
     def to_engine(
         self, max_tokens: int, messages: list[dict[str, Any]] | None = None
     ) -> TextRequest:
-        return replace(
-            self._request("completion", max_tokens),
+        return TextRequest(
+            kind="completion",
+            max_tokens=max_tokens,
             prompt=self.prompt_text(),
             # As for chat: ask for at least one alternative, so the engine sends logprobs.
             logprobs=None if self.logprobs is None else max(1, self.logprobs),
+            **self._sampling(),
         )
 
 
