@@ -41,12 +41,8 @@ if not (default_binary("rpc-server").is_file() and default_binary("llama-server"
     pytest.skip("no RPC build: run scripts/rpc_engine.sh", allow_module_level=True)
 
 SMOLLM2 = "smollm2-135m"
-PROMPT = TextRequest(
-    kind="completion",
-    prompt="The capital of France is Paris. The capital of Italy is",
-    temperature=0,
-    max_tokens=16,
-)
+ITALY = "The capital of France is Paris. The capital of Italy is"
+PROMPT = TextRequest(kind="completion", prompt=ITALY, temperature=0, max_tokens=16)
 COUNTING = replace(PROMPT, prompt="1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", max_tokens=400)
 
 

@@ -38,12 +38,8 @@ if not (RPC_SERVER.is_file() and LLAMA_SERVER.is_file()):
     )
 
 SMOLLM2 = "smollm2-135m"
-PROMPT = TextRequest(
-    kind="completion",
-    prompt="The capital of France is Paris. The capital of Italy is",
-    temperature=0,
-    max_tokens=16,
-)
+ITALY = "The capital of France is Paris. The capital of Italy is"
+PROMPT = TextRequest(kind="completion", prompt=ITALY, temperature=0, max_tokens=16)
 OPTIONS = RpcLlamaOptions(n_ctx=512, slots=1, kv_type="f16", cache_ram_bytes=0, kv_cache=False)
 
 
