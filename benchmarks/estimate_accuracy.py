@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -211,6 +212,11 @@ def _plain(mem: ProcessMemory) -> ProcessMemory:
 # ---------------------------------------------------------------- report
 
 
+def pct(x: float) -> str:
+    """An error as a signed percentage; "n/a" where the stage was not measured."""
+    return "n/a" if math.isnan(x) else f"{x:+.1%}"
+
+
 def _case_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| model | arch | weights | n_ctx | slots | kv | predicted at load | measured at load"
@@ -222,8 +228,8 @@ def _case_table(rows: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"| {r['model']} | {r['arch']} | {r['weights']} | {r['n_ctx'] or '-'} | {r['slots']}"
             f" | {r['kv_type']} | {mib(p['at_load'])} | {mib(m['at_load'])}"
-            f" | {r['error_at_load']:+.1%} | {mib(p['total'])} | {mib(m['in_use'])}"
-            f" | {r['error_in_use']:+.1%} | {mib(max(m['spread_at_load'], m['spread_in_use']))}"
+            f" | {pct(r['error_at_load'])} | {mib(p['total'])} | {mib(m['in_use'])}"
+            f" | {pct(r['error_in_use'])} | {mib(max(m['spread_at_load'], m['spread_in_use']))}"
             f" | {'yes' if r['ok'] else '**no**'} |"
         )
     return lines
@@ -255,11 +261,12 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     if held:
         worst = max(held, key=lambda r: abs(r["error_at_load"]))
-        worst_use = max(held, key=lambda r: abs(r["error_in_use"]))
+        used = [r for r in held if not math.isnan(r["error_in_use"])] or held
+        worst_use = max(used, key=lambda r: abs(r["error_in_use"]))
         lines += [
             f"Worst held-out error at load: {worst['error_at_load']:+.1%} ({worst['model']},"
             f" n_ctx {worst['n_ctx']}, slots {worst['slots']}); in use:"
-            f" {worst_use['error_in_use']:+.1%} ({worst_use['model']}, n_ctx"
+            f" {pct(worst_use['error_in_use'])} ({worst_use['model']}, n_ctx"
             f" {worst_use['n_ctx']}, slots {worst_use['slots']}).",
             "",
             f"### Per term, worst case at load ({worst['model']}, n_ctx {worst['n_ctx']},"
