@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +39,12 @@ from bundled_models import bundled_spec  # noqa: E402
 from elbowroom.cluster.rpc import rpc_server_args  # noqa: E402
 from elbowroom.engines.llama import LlamaEngine  # noqa: E402
 from elbowroom.engines.llama_rpc import RpcLlamaEngine, default_binary  # noqa: E402
+from elbowroom.engines.options import RpcLlamaOptions  # noqa: E402
+from elbowroom.engines.requests import TextRequest  # noqa: E402
 
 PROMPT = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"  # greedy counting: never stops early
-OPTIONS = {"n_ctx": 1024, "slots": 1, "kv_type": "f16", "cache_ram_bytes": 0, "threads": 2,
-           "kv_cache": False}  # fmt: skip
+OPTIONS = RpcLlamaOptions(n_ctx=1024, slots=1, kv_type="f16", cache_ram_bytes=0, threads=2,
+                          kv_cache=False)  # fmt: skip
 SPLIT = [20, 10]
 
 
@@ -78,12 +81,8 @@ def measure(engine: Any, tokens: int) -> dict[str, Any]:
         if not first:
             first.append(time.monotonic())
 
-    result = engine.run(
-        "completion",
-        {"prompt": PROMPT, "temperature": 0, "max_tokens": tokens},
-        emit,
-        lambda: False,
-    )
+    request = TextRequest(kind="completion", prompt=PROMPT, temperature=0, max_tokens=tokens)
+    result = engine.run("completion", request, emit, lambda: False)
     end = time.monotonic()
     timings = result.get("timings") or {}
     generated = int(result["usage"]["completion_tokens"])
@@ -105,13 +104,13 @@ def run(rounds: int, tokens: int) -> dict[str, Any]:
                 engine: Any
                 if name == "split":
                     engine = RpcLlamaEngine()
-                    opts = {**OPTIONS, "rpc_servers": endpoints, "rpc_split": SPLIT}
+                    opts = replace(OPTIONS, rpc_servers=tuple(endpoints), rpc_split=tuple(SPLIT))
                 elif name == "llama-server":  # the same llama.cpp build, unsplit
                     engine = RpcLlamaEngine()
-                    opts = {**OPTIONS, "rpc_servers": [], "rpc_split": []}
+                    opts = OPTIONS
                 else:
                     engine = LlamaEngine()
-                    opts = dict(OPTIONS)
+                    opts = OPTIONS  # LlamaEngine reads only its LlamaOptions part
                 engine.load(spec, opts)
                 try:
                     row = measure(engine, tokens)

@@ -27,6 +27,8 @@ from typing import Any
 
 from elbowroom.cluster.rpc import RpcBindError, rpc_server_args
 from elbowroom.config import Settings
+from elbowroom.engines.options import EngineOptions
+from elbowroom.engines.requests import Payload
 from elbowroom.errors import ElbowroomError
 from elbowroom.memory.probe import default_probe
 from elbowroom.memory.process import measure_pid
@@ -85,7 +87,7 @@ class NodeAgent:
 
     # ---- one runner ------------------------------------------------------------------
 
-    async def start(self, key: str, spec: ModelSpec, options: dict[str, Any]) -> dict[str, Any]:
+    async def start(self, key: str, spec: ModelSpec, options: EngineOptions) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
         exit_future: asyncio.Future[str | None] = loop.create_future()
 
@@ -103,9 +105,7 @@ class NodeAgent:
             return {"error": exc.to_wire(), "state": sup.state.value}
         return {"ready": ready}
 
-    async def request(
-        self, key: str, kind: str, payload: dict[str, Any]
-    ) -> AsyncIterator[dict[str, Any]]:
+    async def request(self, key: str, kind: str, payload: Payload) -> AsyncIterator[dict[str, Any]]:
         """Streamed to the head: ``{"item": ...}`` per delta/done, ``{"error": wire}`` last
         on failure. Cancelled by the head (client gone): the supervisor cancels the work."""
         sup = self._runners.get(key)

@@ -32,6 +32,7 @@ from elbowroom.cluster.splitter import (
     stop_split,
 )
 from elbowroom.config import Settings
+from elbowroom.engines.options import RpcLlamaOptions
 from elbowroom.errors import ElbowroomError, InsufficientMemory
 from elbowroom.memory.types import Pressure
 from elbowroom.runtime.protocol import Runner
@@ -207,16 +208,13 @@ class ClusterScheduler:
                 details={**refusal.details, "split": str(exc)},
             ) from None
         s = self.settings
-        options = {
-            "kv_type": s.kv_type,
-            "threads": s.threads,
-            "max_tokens_cap": s.max_tokens_cap,
-            "cache_ram_bytes": 0,
-            "kv_cache": False,  # the disk tier keys on one engine; a split has its own
-            "kv_cache_dir": str(s.kv_cache_path),
-            "kv_disk_max": s.kv_disk_max,
-            "kv_block_tokens": s.kv_block_tokens,
-        }
+        options = RpcLlamaOptions(
+            threads=s.threads,
+            kv_type=s.kv_type,
+            cache_ram_bytes=0,
+            kv_cache=False,  # the disk tier keys on one engine; a split has its own
+            kv_block_tokens=s.kv_block_tokens,
+        )
         nodes = {e.node.id: e.node for e in live}
         running = await start_split(
             spec, plan, nodes, options, s.rpc_bin_dir or rpc_build_dir(), self._split_down

@@ -27,6 +27,7 @@ from typing import Any
 from elbowroom.cluster.remote import Node, RemoteRunner, _ray_errors
 from elbowroom.cluster.split import LayerSplit, SplitError, split_layers
 from elbowroom.config import Settings
+from elbowroom.engines.options import RpcLlamaOptions
 from elbowroom.errors import ElbowroomError, RunnerCrashed
 from elbowroom.models.spec import ModelSpec
 from elbowroom.units import format_size
@@ -108,7 +109,7 @@ async def start_split(
     spec: ModelSpec,
     plan: SplitPlan,
     nodes: dict[str, Node],
-    options: dict[str, Any],
+    options: RpcLlamaOptions,
     bin_dir: Path,
     on_down: Callable[[RunningSplit, str], None],
 ) -> RunningSplit:
@@ -146,14 +147,14 @@ async def start_split(
         runner = home.runner_factory(split_spec, runner_died)
         assert isinstance(runner, RemoteRunner)
         await runner.start(
-            {
-                **options,
-                "n_ctx": plan.n_ctx,
-                "slots": plan.slots,
-                "rpc_servers": endpoints,
-                "rpc_split": list(plan.split.layers.values()),
-                "llama_server": str(bin_dir / "llama-server"),
-            }
+            dataclasses.replace(
+                options,
+                n_ctx=plan.n_ctx,
+                slots=plan.slots,
+                rpc_servers=tuple(endpoints),
+                rpc_split=tuple(plan.split.layers.values()),
+                llama_server=str(bin_dir / "llama-server"),
+            )
         )
     except BaseException:
         await asyncio.gather(*(n.agent.stop_rpc.remote(k, 2.0) for n, k in parts),

@@ -18,6 +18,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -26,6 +27,8 @@ from ray_cluster import local_cluster
 
 from elbowroom.config import Settings
 from elbowroom.engines.llama_rpc import default_binary
+from elbowroom.engines.options import RpcLlamaOptions
+from elbowroom.engines.requests import TextRequest
 from elbowroom.errors import InsufficientMemory, RunnerCrashed
 from elbowroom.models.catalog import discover
 
@@ -38,8 +41,9 @@ if not (default_binary("rpc-server").is_file() and default_binary("llama-server"
     pytest.skip("no RPC build: run scripts/rpc_engine.sh", allow_module_level=True)
 
 SMOLLM2 = "smollm2-135m"
-PROMPT = {"prompt": "The capital of France is Paris. The capital of Italy is", "temperature": 0}
-COUNTING = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "temperature": 0}
+ITALY = "The capital of France is Paris. The capital of Italy is"
+PROMPT = TextRequest(kind="completion", prompt=ITALY, temperature=0, max_tokens=16)
+COUNTING = replace(PROMPT, prompt="1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", max_tokens=400)
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +66,11 @@ def unsplit_text(max_tokens: int) -> str:
     from elbowroom.engines.llama_rpc import RpcLlamaEngine
 
     engine = RpcLlamaEngine()
-    options = {"n_ctx": 512, "slots": 1, "kv_cache": False, "rpc_servers": [], "rpc_split": []}
+    options = RpcLlamaOptions(n_ctx=512, slots=1, kv_cache=False)
     engine.load(bundled_spec(SMOLLM2), options)
     try:
         result = engine.run(
-            "completion", {**PROMPT, "max_tokens": max_tokens}, lambda _d: None, lambda: False
+            "completion", replace(PROMPT, max_tokens=max_tokens), lambda _d: None, lambda: False
         )
     finally:
         engine.close()
@@ -90,9 +94,7 @@ def test_split_over_two_nodes_serves_the_unsplit_output_then_fails_fast(cluster:
                 decision, _ = e.scheduler.preview(SMOLLM2)
                 assert type(decision).__name__ == "Refuse"
             async with router.use(SMOLLM2) as runner:
-                items = [
-                    i async for i in runner.request("completion", {**PROMPT, "max_tokens": 16})
-                ]
+                items = [i async for i in runner.request("completion", PROMPT)]
             assert items[-1]["text"] == expected
             (row,) = router.ps()
             layers = row["split"]
@@ -103,9 +105,7 @@ def test_split_over_two_nodes_serves_the_unsplit_output_then_fails_fast(cluster:
             os.kill(row["rpc_pids"][0], signal.SIGKILL)
             await wait_for(lambda: router.ps() == [], 30, "the split to be taken down")
             async with router.use(SMOLLM2) as runner:
-                items = [
-                    i async for i in runner.request("completion", {**PROMPT, "max_tokens": 16})
-                ]
+                items = [i async for i in runner.request("completion", PROMPT)]
             assert items[-1]["text"] == expected
             (again,) = router.ps()
             assert again["rpc_pids"] != row["rpc_pids"] and set(again["split"]) == set(layers)
@@ -115,8 +115,7 @@ def test_split_over_two_nodes_serves_the_unsplit_output_then_fails_fast(cluster:
             with pytest.raises(RunnerCrashed):
                 async with router.use(SMOLLM2) as runner:
                     # Counting never reaches an end of text: still generating when B dies.
-                    payload = {**COUNTING, "max_tokens": 400}
-                    async for item in runner.request("completion", payload):
+                    async for item in runner.request("completion", COUNTING):
                         got.append(item)
                         if len(got) == 1:
                             killed_at = time.monotonic()
