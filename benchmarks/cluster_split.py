@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,14 +47,16 @@ from elbowroom.cluster.split import split_layers  # noqa: E402
 from elbowroom.cluster.split_plan import RPC_SERVER_RUNTIME, share_compute  # noqa: E402
 from elbowroom.engines.llama import LlamaEngine  # noqa: E402
 from elbowroom.engines.llama_rpc import RpcLlamaEngine, default_binary  # noqa: E402
+from elbowroom.engines.options import RpcLlamaOptions  # noqa: E402
+from elbowroom.engines.requests import TextRequest  # noqa: E402
 from elbowroom.memory.process import measure_pid  # noqa: E402
 from elbowroom.models.estimate import kv_bytes  # noqa: E402
 
 MODEL = "smollm2-135m"
 PROMPT = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"  # greedy counting: never stops early
 N_CTX = 1024
-OPTIONS = {"n_ctx": N_CTX, "slots": 1, "kv_type": "f16", "cache_ram_bytes": 0, "threads": 2,
-           "kv_cache": False}  # fmt: skip
+OPTIONS = RpcLlamaOptions(n_ctx=N_CTX, slots=1, kv_type="f16", cache_ram_bytes=0, threads=2,
+                          kv_cache=False)  # fmt: skip
 FREE = {"rpc0": 2, "rpc1": 1}  # the two "nodes'" free memory, in proportion
 MiB = 1024**2
 
@@ -91,12 +94,8 @@ def measure(engine: Any, tokens: int) -> dict[str, Any]:
         if not first:
             first.append(time.monotonic())
 
-    result = engine.run(
-        "completion",
-        {"prompt": PROMPT, "temperature": 0, "max_tokens": tokens},
-        emit,
-        lambda: False,
-    )
+    request = TextRequest(kind="completion", prompt=PROMPT, temperature=0, max_tokens=tokens)
+    result = engine.run("completion", request, emit, lambda: False)
     end = time.monotonic()
     timings = result.get("timings") or {}
     generated = int(result["usage"]["completion_tokens"])
@@ -109,7 +108,7 @@ def measure(engine: Any, tokens: int) -> dict[str, Any]:
 def placed_layers(spec: Any, endpoints: list[str], split: list[int]) -> dict[str, int]:
     """Load the split once with llama.cpp's debug log: repeating layers per device."""
     engine = RpcLlamaEngine()
-    opts = {**OPTIONS, "rpc_servers": endpoints, "rpc_split": split, "log_level": "debug"}
+    opts = replace(OPTIONS, rpc_servers=tuple(endpoints), rpc_split=tuple(split), log_level="debug")
     engine.load(spec, opts)
     try:
         measure(engine, 4)
@@ -150,13 +149,13 @@ def run(rounds: int, tokens: int) -> dict[str, Any]:
                 engine: Any
                 if name == "split":
                     engine = RpcLlamaEngine()
-                    opts = {**OPTIONS, "rpc_servers": endpoints, "rpc_split": split}
+                    opts = replace(OPTIONS, rpc_servers=tuple(endpoints), rpc_split=tuple(split))
                 elif name == "llama-server":  # the same llama.cpp build, unsplit
                     engine = RpcLlamaEngine()
-                    opts = {**OPTIONS, "rpc_servers": [], "rpc_split": []}
+                    opts = OPTIONS
                 else:
                     engine = LlamaEngine()
-                    opts = dict(OPTIONS)
+                    opts = OPTIONS  # LlamaEngine reads only its LlamaOptions part
                 engine.load(spec, opts)
                 try:
                     row = measure(engine, tokens)

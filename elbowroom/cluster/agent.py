@@ -29,6 +29,8 @@ from typing import Any
 from elbowroom.cluster.relay import END
 from elbowroom.cluster.rpc import RpcBindError, rpc_server_args
 from elbowroom.config import Settings
+from elbowroom.engines.options import EngineOptions
+from elbowroom.engines.requests import Payload
 from elbowroom.errors import ElbowroomError
 from elbowroom.memory.probe import default_probe
 from elbowroom.memory.process import measure_pid
@@ -89,7 +91,7 @@ class NodeAgent:
 
     # ---- one runner ------------------------------------------------------------------
 
-    async def start(self, key: str, spec: ModelSpec, options: dict[str, Any]) -> dict[str, Any]:
+    async def start(self, key: str, spec: ModelSpec, options: EngineOptions) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
         exit_future: asyncio.Future[str | None] = loop.create_future()
 
@@ -107,9 +109,7 @@ class NodeAgent:
             return {"error": exc.to_wire(), "state": sup.state.value}
         return {"ready": ready}
 
-    async def request(
-        self, key: str, kind: str, payload: dict[str, Any]
-    ) -> AsyncIterator[dict[str, Any]]:
+    async def request(self, key: str, kind: str, payload: Payload) -> AsyncIterator[dict[str, Any]]:
         """Streamed to the head: ``{"item": ...}`` per delta/done, ``{"error": wire}`` last
         on failure. Cancelled by the head (client gone): the supervisor cancels the work."""
         sup = self._runners.get(key)
@@ -124,7 +124,7 @@ class NodeAgent:
 
     # ---- the same, pulled (Ray Client has no streaming generators: cluster/relay.py) ----
 
-    async def open_request(self, key: str, kind: str, payload: dict[str, Any]) -> str:
+    async def open_request(self, key: str, kind: str, payload: Payload) -> str:
         rid = f"{key}/{next(self._pull_ids)}"
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
 

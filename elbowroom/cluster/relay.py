@@ -14,6 +14,8 @@ from __future__ import annotations
 import collections
 from typing import Any, Protocol
 
+from elbowroom.engines.requests import Payload
+
 PULL_WAIT = 10.0  # seconds one pull waits for a message before asking again
 END = {"end": True}  # the pulled stream's last message
 
@@ -39,7 +41,7 @@ class Source(Protocol):
 class Streamed:
     """The agent's ``request`` as a Ray streaming generator."""
 
-    def __init__(self, agent: Any, key: str, kind: str, payload: dict[str, Any]) -> None:
+    def __init__(self, agent: Any, key: str, kind: str, payload: Payload) -> None:
         self._stream = agent.request.options(num_returns="streaming").remote(key, kind, payload)
 
     async def next(self) -> dict[str, Any] | None:
@@ -65,7 +67,7 @@ class Pulled:
         self._buffer: collections.deque[dict[str, Any]] = collections.deque()
 
     @classmethod
-    async def open(cls, agent: Any, key: str, kind: str, payload: dict[str, Any]) -> Pulled:
+    async def open(cls, agent: Any, key: str, kind: str, payload: Payload) -> Pulled:
         rid: str = await agent.open_request.remote(key, kind, payload)
         return cls(agent, rid)
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from elbowroom.cluster.relay import Pulled, Source, Streamed, client_mode
+from elbowroom.engines.options import EngineOptions
+from elbowroom.engines.requests import Payload
 from elbowroom.errors import ElbowroomError, EngineError, RunnerCrashed, Unavailable
 from elbowroom.memory.types import ZERO_PROCESS_MEMORY, ProcessMemory, Snapshot
 from elbowroom.models.spec import ModelSpec
@@ -157,7 +159,7 @@ class RemoteRunner:
     def exit_cause(self) -> str | None:
         return self._exit_cause
 
-    async def start(self, options: dict[str, Any]) -> ReadyInfo:
+    async def start(self, options: EngineOptions) -> ReadyInfo:
         if self._state is not RunnerState.NEW:
             raise RuntimeError(f"runner for {self.spec.id} was already started")
         if not self.node.alive:
@@ -224,7 +226,7 @@ class RemoteRunner:
             except Exception:
                 log.exception("on_exit callback for %s failed", self.spec.id)
 
-    async def request(self, kind: str, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def request(self, kind: str, payload: Payload) -> AsyncIterator[dict[str, Any]]:
         if self._state is not RunnerState.READY:
             raise self._not_ready()
         source: Source

@@ -28,6 +28,7 @@ from elbowroom.cluster.split import SplitError
 from elbowroom.cluster.split_plan import SplitPlan, plan_rooms, plan_split
 from elbowroom.cluster.splitter import NodeSlot, RunningSplit, start_split, stop_split
 from elbowroom.config import Settings
+from elbowroom.engines.options import RpcLlamaOptions
 from elbowroom.errors import ElbowroomError, InsufficientMemory
 from elbowroom.memory.types import Pressure
 from elbowroom.runtime.protocol import Runner
@@ -239,16 +240,13 @@ class ClusterScheduler:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         plan = self._plan_split(model_id, refusal)
         s = self.settings
-        options = {
-            "kv_type": s.kv_type,
-            "threads": s.threads,
-            "max_tokens_cap": s.max_tokens_cap,
-            "cache_ram_bytes": 0,
-            "kv_cache": False,  # the disk tier keys on one engine; a split has its own
-            "kv_cache_dir": str(s.kv_cache_path),
-            "kv_disk_max": s.kv_disk_max,
-            "kv_block_tokens": s.kv_block_tokens,
-        }
+        options = RpcLlamaOptions(
+            threads=s.threads,
+            kv_type=s.kv_type,
+            cache_ram_bytes=0,
+            kv_cache=False,  # the disk tier keys on one engine; a split has its own
+            kv_block_tokens=s.kv_block_tokens,
+        )
         slots = {e.node.name: self._slot(e) for e in self.live()}
         running = RunningSplit(plan)
         bin_dir = s.rpc_bin_dir or rpc_build_dir()

@@ -31,6 +31,8 @@ from typing import Any
 
 from elbowroom.cluster.remote import Node, _ray_errors
 from elbowroom.cluster.split_plan import SplitPlan
+from elbowroom.engines.options import EngineOptions
+from elbowroom.engines.requests import Payload
 from elbowroom.errors import ElbowroomError, EngineError, ModelNotFound, RunnerCrashed
 from elbowroom.memory.types import ZERO_PROCESS_MEMORY, ProcessMemory
 from elbowroom.models.spec import Footprint, ModelSpec
@@ -145,7 +147,7 @@ class ShareRunner:
     def exit_cause(self) -> str | None:
         return self._exit_cause
 
-    async def start(self, options: dict[str, Any]) -> ReadyInfo:
+    async def start(self, options: EngineOptions) -> ReadyInfo:
         if not self.node.alive:
             raise self._crashed(self.node.gone_cause or "node gone")
         self._state = RunnerState.STARTING
@@ -199,7 +201,7 @@ class ShareRunner:
                 log.exception("on_exit callback for %s failed", self.spec.id)
         self.hooks.on_stop(f"its RPC server died: {cause}")
 
-    async def request(self, kind: str, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def request(self, kind: str, payload: Payload) -> AsyncIterator[dict[str, Any]]:
         # The split's engine serves the requests; a share only holds layers.
         raise EngineError(f"{self.spec.id} is a share of a split model; it serves no requests")
         yield {}  # pragma: no cover (makes this an async generator, as the protocol says)

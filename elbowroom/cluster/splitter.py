@@ -39,6 +39,8 @@ from elbowroom.cluster.share import (
     share_spec,
 )
 from elbowroom.cluster.split_plan import SplitPlan
+from elbowroom.engines.options import EngineOptions, RpcLlamaOptions
+from elbowroom.engines.requests import Payload
 from elbowroom.errors import ElbowroomError, InsufficientMemory, MemoryPressure, RunnerCrashed
 from elbowroom.memory.types import Pressure, ProcessMemory
 from elbowroom.models.spec import ModelSpec
@@ -120,10 +122,10 @@ class SplitRunner:
     def exit_cause(self) -> str | None:
         return self._engine.exit_cause
 
-    async def start(self, options: dict[str, Any]) -> ReadyInfo:
+    async def start(self, options: EngineOptions) -> ReadyInfo:
         return await self._engine.start(options)
 
-    async def request(self, kind: str, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def request(self, kind: str, payload: Payload) -> AsyncIterator[dict[str, Any]]:
         try:
             async for item in self._engine.request(kind, payload):
                 yield item
@@ -159,7 +161,7 @@ async def start_split(
     spec: ModelSpec,
     running: RunningSplit,
     slots: dict[str, NodeSlot],
-    options: dict[str, Any],
+    options: RpcLlamaOptions,
     bin_dir: Path,
     on_down: Callable[[RunningSplit, str], None],
     pin: bool | None = None,
@@ -209,14 +211,14 @@ async def start_split(
         for share in running.shares:
             await stack.enter_async_context(share.scheduler.hold(share.id))
         await engine.start(
-            {
-                **options,
-                "n_ctx": plan.n_ctx,
-                "slots": plan.slots,
-                "rpc_servers": [s.runner.endpoint for s in running.shares],
-                "rpc_split": list(plan.split.layers.values()),
-                "llama_server": str(bin_dir / "llama-server"),
-            }
+            dataclasses.replace(
+                options,
+                n_ctx=plan.n_ctx,
+                slots=plan.slots,
+                rpc_servers=tuple(str(s.runner.endpoint) for s in running.shares),
+                rpc_split=tuple(plan.split.layers.values()),
+                llama_server=str(bin_dir / "llama-server"),
+            )
         )
     if running.closed:
         raise RunnerCrashed(

@@ -256,7 +256,7 @@ class Residency:
         )
         self.loaded[spec.id] = rec  # its predicted bytes are now a reservation
         try:
-            info = await runner.start(start_options(self.settings, plan))
+            info = await runner.start(start_options(self.settings, spec, plan))
         except BaseException as exc:
             self.forget(rec)
             self.counters["load_failures"] += 1

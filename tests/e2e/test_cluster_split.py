@@ -33,6 +33,8 @@ from ray_cluster import local_cluster
 
 from elbowroom.config import Settings
 from elbowroom.engines.llama_rpc import default_binary
+from elbowroom.engines.options import RpcLlamaOptions
+from elbowroom.engines.requests import TextRequest
 from elbowroom.errors import InsufficientMemory, MemoryPressure, RunnerCrashed
 from elbowroom.memory.types import Pressure
 from elbowroom.models.catalog import discover
@@ -49,8 +51,10 @@ MiB = 1024**2
 SMOLLM2 = "smollm2-135m"
 SHARE = SMOLLM2 + "~share"
 IDLE = "whisper-tiny.en"  # ~283 MiB predicted: loaded idle on B, in the split's way
-PROMPT = {"prompt": "The capital of France is Paris. The capital of Italy is", "temperature": 0}
-COUNTING = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "temperature": 0}
+ITALY = "The capital of France is Paris. The capital of Italy is"
+PROMPT = TextRequest(kind="completion", prompt=ITALY, temperature=0, max_tokens=16)
+# Counting never reaches an end of text: still generating when something is done to it.
+COUNTING = dataclasses.replace(PROMPT, prompt="1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", max_tokens=400)
 TOKENS = 8  # compared with the unsplit model's greedy text
 
 
@@ -74,11 +78,13 @@ def unsplit_text(max_tokens: int) -> str:
     from elbowroom.engines.llama_rpc import RpcLlamaEngine
 
     engine = RpcLlamaEngine()
-    options = {"n_ctx": 512, "slots": 1, "kv_cache": False, "rpc_servers": [], "rpc_split": []}
-    engine.load(bundled_spec(SMOLLM2), options)
+    engine.load(bundled_spec(SMOLLM2), RpcLlamaOptions(n_ctx=512, slots=1, kv_cache=False))
     try:
         result = engine.run(
-            "completion", {**PROMPT, "max_tokens": max_tokens}, lambda _d: None, lambda: False
+            "completion",
+            dataclasses.replace(PROMPT, max_tokens=max_tokens),
+            lambda _d: None,
+            lambda: False,
         )
     finally:
         engine.close()
@@ -98,9 +104,10 @@ def alive(pid: int) -> bool:
     return True
 
 
-async def complete(router: Any, body: dict[str, Any], max_tokens: int) -> list[dict[str, Any]]:
+async def complete(router: Any, body: TextRequest, max_tokens: int) -> list[dict[str, Any]]:
+    request = dataclasses.replace(body, max_tokens=max_tokens)
     async with router.use(SMOLLM2) as runner:
-        return [i async for i in runner.request("completion", {**body, "max_tokens": max_tokens})]
+        return [i async for i in runner.request("completion", request)]
 
 
 def test_split_shares_are_node_residents_and_hard_pressure_on_one_node_stops_the_split(
@@ -184,7 +191,7 @@ def test_split_shares_are_node_residents_and_hard_pressure_on_one_node_stops_the
             got: list[dict[str, Any]] = []
             with pytest.raises(MemoryPressure) as err:
                 async with router.use(SMOLLM2) as runner:
-                    async for item in runner.request("completion", {**COUNTING, "max_tokens": 400}):
+                    async for item in runner.request("completion", COUNTING):
                         got.append(item)
                         if len(got) == 1:
                             actions = await b.guard.apply(hard)
@@ -238,9 +245,7 @@ def test_a_split_fails_fast_and_splits_again_when_a_part_dies(cluster: Any) -> N
             got = []
             with pytest.raises(RunnerCrashed):
                 async with router.use(SMOLLM2) as runner:
-                    # Counting never reaches an end of text: still generating when B dies.
-                    payload = {**COUNTING, "max_tokens": 400}
-                    async for item in runner.request("completion", payload):
+                    async for item in runner.request("completion", COUNTING):
                         got.append(item)
                         if len(got) == 1:
                             killed_at = time.monotonic()

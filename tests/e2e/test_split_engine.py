@@ -18,6 +18,7 @@ import subprocess
 import time
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -27,6 +28,8 @@ from elbowroom.cluster.rpc import rpc_server_args
 from elbowroom.cluster.split import split_layers
 from elbowroom.cluster.split_plan import share_compute
 from elbowroom.engines.llama_rpc import RpcLlamaEngine, default_binary
+from elbowroom.engines.options import RpcLlamaOptions
+from elbowroom.engines.requests import TextRequest
 
 pytestmark = pytest.mark.slow
 
@@ -39,8 +42,9 @@ if not (RPC_SERVER.is_file() and LLAMA_SERVER.is_file()):
 
 SMOLLM2 = "smollm2-135m"
 MiB = 1024**2
-PROMPT = {"prompt": "The capital of France is Paris. The capital of Italy is", "temperature": 0}
-OPTIONS = {"n_ctx": 512, "slots": 1, "kv_type": "f16", "cache_ram_bytes": 0, "kv_cache": False}
+ITALY = "The capital of France is Paris. The capital of Italy is"
+PROMPT = TextRequest(kind="completion", prompt=ITALY, temperature=0, max_tokens=16)
+OPTIONS = RpcLlamaOptions(n_ctx=512, slots=1, kv_type="f16", cache_ram_bytes=0, kv_cache=False)
 
 
 def free_port() -> int:
@@ -87,7 +91,7 @@ def rpc_servers() -> Iterator[list[str]]:
 def generate(engine: Any, max_tokens: int) -> tuple[str, float]:
     began = time.monotonic()
     result = engine.run(
-        "completion", {**PROMPT, "max_tokens": max_tokens}, lambda _d: None, lambda: False
+        "completion", replace(PROMPT, max_tokens=max_tokens), lambda _d: None, lambda: False
     )
     return result["text"], time.monotonic() - began
 
@@ -103,7 +107,10 @@ def test_split_places_layers_by_free_memory_and_matches_the_unsplit_output(
 
     engine = RpcLlamaEngine()
     facts = engine.load(
-        spec, {**OPTIONS, "rpc_servers": rpc_servers, "rpc_split": counts, "log_level": "debug"}
+        spec,
+        replace(
+            OPTIONS, rpc_servers=tuple(rpc_servers), rpc_split=tuple(counts), log_level="debug"
+        ),
     )
     try:
         assert facts["rpc_split"] == counts and facts["engine"] == "llama-server (RPC)"
@@ -133,7 +140,7 @@ def test_split_places_layers_by_free_memory_and_matches_the_unsplit_output(
 
     # The unsplit model on the same llama.cpp build (no RPC devices, this CPU).
     plain = RpcLlamaEngine()
-    plain.load(spec, {**OPTIONS, "rpc_servers": [], "rpc_split": []})
+    plain.load(spec, OPTIONS)
     try:
         plain_text, _ = generate(plain, 24)
     finally:
