@@ -145,7 +145,9 @@ def measure_path(
         "busy": busy,
         "heavy": heavy,
     }
-    with tempfile.TemporaryFile("w+") as log:  # llama.cpp's log: a file, never a full pipe
+    # The engine's log goes to a file (never a full pipe); a random-weight model's output
+    # in it may be broken UTF-8.
+    with tempfile.TemporaryFile("w+", errors="replace") as log:
         proc = subprocess.Popen(
             [sys.executable, "-c", _CHILD, json.dumps(job)],
             stdin=subprocess.PIPE,
