@@ -367,14 +367,18 @@ def _terminate(proc: subprocess.Popen[bytes]) -> None:
 class Elbowroom(HttpSystem):
     name = "elbowroom"
 
-    def __init__(self, home: Path, slots: int, ctx: int, threads: int, direct: bool = True) -> None:
+    def __init__(self, home: Path, slots: int, ctx: int, threads: int, variant: str = "") -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("ELBOWROOM_")}
         # elbowroom:pipe carries every token through the runner pipe (direct_streams off):
-        # what the direct streams (server/direct.py) save.
+        # what the direct streams (server/direct.py) save. elbowroom:asyncio runs the server
+        # on asyncio's standard event loop instead of uvloop: what uvloop saves.
         knobs = {"ELBOWROOM_THREADS": str(threads)}
-        if not direct:
-            self.name = "elbowroom:pipe"
+        if variant:
+            self.name = f"elbowroom:{variant}"
+        if variant == "pipe":
             knobs["ELBOWROOM_DIRECT_STREAMS"] = "false"
+        if variant == "asyncio":
+            knobs["ELBOWROOM_EVENT_LOOP"] = "asyncio"
         env.update(
             XDG_DATA_HOME=str(home / "data"),
             XDG_CACHE_HOME=str(home / "cache"),
@@ -619,9 +623,9 @@ def start_systems(
     try:
         for name in names:
             log(f"starting {name} with {slots} slots")
-            if name in ("elbowroom", "elbowroom:pipe"):
-                direct = name == "elbowroom"
-                started.append(Elbowroom(home, slots, args.ctx, args.threads, direct))
+            if name.partition(":")[0] == "elbowroom":
+                variant = name.partition(":")[2]
+                started.append(Elbowroom(home, slots, args.ctx, args.threads, variant))
             elif name == "xllamacpp":
                 started.append(InProcess(model, slots, args.ctx, args.threads))
             else:
@@ -849,11 +853,11 @@ def _names(text: str) -> list[str]:
     for name in names:
         system, _, cpu = name.partition(":")
         ok = system in ("elbowroom", "xllamacpp") and not cpu
-        ok |= name == "elbowroom:pipe"
+        ok |= name in ("elbowroom:pipe", "elbowroom:asyncio")
         ok |= system == "llama-server" and cpu in ("", *CPU_VARIANTS)
         if not ok:
             raise argparse.ArgumentTypeError(
-                f"unknown system {name!r}: elbowroom[:pipe], xllamacpp, "
+                f"unknown system {name!r}: elbowroom[:pipe|:asyncio], xllamacpp, "
                 "llama-server[:native|:wheel]"
             )
     return ["llama-server:native" if n == "llama-server" else n for n in names]
@@ -870,7 +874,8 @@ def main(argv: list[str] | None = None) -> int:
         "--systems",
         type=_names,
         default=_names("elbowroom,elbowroom:pipe,llama-server:native,llama-server:wheel,xllamacpp"),
-        help="comma list of elbowroom, elbowroom:pipe, xllamacpp, llama-server:native, "
+        help="comma list of elbowroom, elbowroom:pipe, elbowroom:asyncio, xllamacpp,"
+        " llama-server:native, "
         "llama-server:wheel",
     )
     parser.add_argument(

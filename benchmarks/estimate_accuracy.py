@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -211,6 +212,11 @@ def _plain(mem: ProcessMemory) -> ProcessMemory:
 # ---------------------------------------------------------------- report
 
 
+def pct(x: float) -> str:
+    """An error as a signed percentage; "n/a" where the stage was not measured."""
+    return "n/a" if math.isnan(x) else f"{x:+.1%}"
+
+
 def _case_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| model | arch | weights | n_ctx | slots | kv | predicted at load | measured at load"
@@ -222,8 +228,8 @@ def _case_table(rows: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"| {r['model']} | {r['arch']} | {r['weights']} | {r['n_ctx'] or '-'} | {r['slots']}"
             f" | {r['kv_type']} | {mib(p['at_load'])} | {mib(m['at_load'])}"
-            f" | {r['error_at_load']:+.1%} | {mib(p['total'])} | {mib(m['in_use'])}"
-            f" | {r['error_in_use']:+.1%} | {mib(max(m['spread_at_load'], m['spread_in_use']))}"
+            f" | {pct(r['error_at_load'])} | {mib(p['total'])} | {mib(m['in_use'])}"
+            f" | {pct(r['error_in_use'])} | {mib(max(m['spread_at_load'], m['spread_in_use']))}"
             f" | {'yes' if r['ok'] else '**no**'} |"
         )
     return lines
@@ -255,11 +261,12 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     if held:
         worst = max(held, key=lambda r: abs(r["error_at_load"]))
-        worst_use = max(held, key=lambda r: abs(r["error_in_use"]))
+        used = [r for r in held if not math.isnan(r["error_in_use"])] or held
+        worst_use = max(used, key=lambda r: abs(r["error_in_use"]))
         lines += [
             f"Worst held-out error at load: {worst['error_at_load']:+.1%} ({worst['model']},"
             f" n_ctx {worst['n_ctx']}, slots {worst['slots']}); in use:"
-            f" {worst_use['error_in_use']:+.1%} ({worst_use['model']}, n_ctx"
+            f" {pct(worst_use['error_in_use'])} ({worst_use['model']}, n_ctx"
             f" {worst_use['n_ctx']}, slots {worst_use['slots']}).",
             "",
             f"### Per term, worst case at load ({worst['model']}, n_ctx {worst['n_ctx']},"
@@ -271,6 +278,14 @@ def markdown(report: dict[str, Any]) -> str:
             "",
             "The compute buffer is reserved at load but only a full batch touches all of it:"
             " it counts in the prediction's *in use* total, not at load.",
+            "",
+        ]
+    if report["cycles"] and "cycles" in meta:
+        c = meta["cycles"]
+        lines += [
+            f"The cycles below were run {c['date']} on their own (`{c['command']}`; load"
+            f" average {c['load_before']} before, {c['load_after']} after); the tables above"
+            " are from the run described at the top.",
             "",
         ]
     for cycle in report["cycles"]:
@@ -311,6 +326,39 @@ def _fitted_cases(quick: bool) -> list[Case]:
     return out
 
 
+def _run_cycles(specs: list[ModelSpec], quick: bool) -> list[dict[str, Any]]:
+    cycles = []
+    for spec in specs if not quick else specs[:1]:
+        heavy = 1 if quick else CYCLE_HEAVY
+        rows = run_cycle(spec, 2048, 4, heavy)
+        cycles.append({"model": spec.id, "n_ctx": 2048, "slots": 4, "heavy": heavy, "rows": rows})
+        for r in rows:
+            print(
+                f"cycle    {spec.id:<20} load {r['load']} ({r['source']}) at load"
+                f" {r['error_at_load']:+.1%}, old rule {r['old_rule_error']:+.1%}",
+                flush=True,
+            )
+    return cycles
+
+
+def _cycles_only(args: argparse.Namespace, held: ModelSpec, load_before: tuple[float, ...]) -> int:
+    """The cycles alone, merged into the recorded report (its tables stay as recorded)."""
+    out = args.out or RESULTS
+    report = json.loads((out / "estimate_accuracy.json").read_text())
+    smol = next(c.spec for c in _fitted_cases(True) if c.spec.id == "smollm2-135m")
+    report["cycles"] = _run_cycles([smol, held], args.quick)
+    report["meta"]["cycles"] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "load_before": " ".join(f"{x:.2f}" for x in load_before),
+        "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "command": "benchmarks/estimate_accuracy.py --cycles-only",
+    }
+    (out / "estimate_accuracy.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    (out / "estimate_accuracy.md").write_text(markdown(report))
+    print(f"wrote {out / 'estimate_accuracy.md'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke test: two models, 1 round")
@@ -319,6 +367,12 @@ def main(argv: list[str] | None = None) -> int:
         "--at-load-only",
         action="store_true",
         help="measure right after load only: no use stage, no reload cycle (a cheap check)",
+    )
+    parser.add_argument(
+        "--cycles-only",
+        action="store_true",
+        help="run only the load -> heavy use -> reload cycles and put them into the recorded"
+        " results (the tables keep their own run, whose date and load the report shows)",
     )
     parser.add_argument("--only", nargs="*", default=None, help="held-out model names only")
     parser.add_argument("--skip-fitted", action="store_true", help="held-out models only")
@@ -338,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     held_specs = [spec_of(s, paths[s.name]) for s in shapes]
     load_before = os.getloadavg()
     report: dict[str, Any] = {"fitted": [], "held_out": [], "cycles": []}
+    if args.cycles_only:
+        return _cycles_only(args, held_specs[0], load_before)
     grid = CASES[:2] if args.quick else CASES
     held_cases = [Case(s, n, k) for s in held_specs for n, k in grid]
     if args.only:
@@ -357,20 +413,8 @@ def main(argv: list[str] | None = None) -> int:
             )
     smol = next((c.spec for c in _fitted_cases(True) if c.spec.id == "smollm2-135m"), None)
     cycle_specs = [s for s in (smol, held_specs[0]) if s is not None]
-    if args.at_load_only:
-        cycle_specs = []
-    for spec in cycle_specs if not args.quick else cycle_specs[:1]:
-        heavy = 1 if args.quick else CYCLE_HEAVY
-        rows = run_cycle(spec, 2048, 4, heavy)
-        report["cycles"].append(
-            {"model": spec.id, "n_ctx": 2048, "slots": 4, "heavy": heavy, "rows": rows}
-        )
-        for r in rows:
-            print(
-                f"cycle    {spec.id:<20} load {r['load']} ({r['source']}) at load"
-                f" {r['error_at_load']:+.1%}, old rule {r['old_rule_error']:+.1%}",
-                flush=True,
-            )
+    if not args.at_load_only:
+        report["cycles"] = _run_cycles(cycle_specs, args.quick)
     import xllamacpp
 
     report["meta"] = {

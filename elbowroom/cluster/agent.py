@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import signal
 import socket
@@ -25,8 +26,11 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from elbowroom.cluster.relay import END
 from elbowroom.cluster.rpc import RpcBindError, rpc_server_args
 from elbowroom.config import Settings
+from elbowroom.engines.options import EngineOptions
+from elbowroom.engines.requests import Payload
 from elbowroom.errors import ElbowroomError
 from elbowroom.memory.probe import default_probe
 from elbowroom.memory.process import measure_pid
@@ -60,6 +64,8 @@ class NodeAgent:
         self._runners: dict[str, Supervisor] = {}
         self._exits: dict[str, asyncio.Future[str | None]] = {}
         self._rpc: dict[str, subprocess.Popen[bytes]] = {}
+        self._pulls: dict[str, tuple[asyncio.Queue[dict[str, Any]], asyncio.Task[None]]] = {}
+        self._pull_ids = itertools.count(1)
 
     # ---- the node --------------------------------------------------------------------
 
@@ -85,7 +91,7 @@ class NodeAgent:
 
     # ---- one runner ------------------------------------------------------------------
 
-    async def start(self, key: str, spec: ModelSpec, options: dict[str, Any]) -> dict[str, Any]:
+    async def start(self, key: str, spec: ModelSpec, options: EngineOptions) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
         exit_future: asyncio.Future[str | None] = loop.create_future()
 
@@ -103,9 +109,7 @@ class NodeAgent:
             return {"error": exc.to_wire(), "state": sup.state.value}
         return {"ready": ready}
 
-    async def request(
-        self, key: str, kind: str, payload: dict[str, Any]
-    ) -> AsyncIterator[dict[str, Any]]:
+    async def request(self, key: str, kind: str, payload: Payload) -> AsyncIterator[dict[str, Any]]:
         """Streamed to the head: ``{"item": ...}`` per delta/done, ``{"error": wire}`` last
         on failure. Cancelled by the head (client gone): the supervisor cancels the work."""
         sup = self._runners.get(key)
@@ -117,6 +121,43 @@ class NodeAgent:
                 yield {"item": item}
         except ElbowroomError as exc:
             yield {"error": exc.to_wire()}
+
+    # ---- the same, pulled (Ray Client has no streaming generators: cluster/relay.py) ----
+
+    async def open_request(self, key: str, kind: str, payload: Payload) -> str:
+        rid = f"{key}/{next(self._pull_ids)}"
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                async for msg in self.request(key, kind, payload):
+                    queue.put_nowait(msg)
+            finally:
+                queue.put_nowait(END)
+
+        self._pulls[rid] = (queue, asyncio.get_running_loop().create_task(pump()))
+        return rid
+
+    async def next_items(self, rid: str, wait: float) -> list[dict[str, Any]]:
+        """What arrived for ``rid``, waiting up to ``wait`` s for the first ([] if none)."""
+        pull = self._pulls.get(rid)
+        if pull is None:
+            return [{"error": _gone(rid)}, END]
+        queue = pull[0]
+        try:
+            items = [await asyncio.wait_for(queue.get(), wait)]
+        except TimeoutError:
+            return []
+        while not queue.empty():
+            items.append(queue.get_nowait())
+        if items[-1].get("end"):
+            del self._pulls[rid]
+        return items
+
+    async def cancel_request(self, rid: str) -> None:
+        pull = self._pulls.pop(rid, None)
+        if pull is not None:
+            pull[1].cancel()  # closes the runner's request: the supervisor cancels the work
 
     async def wait_exit(self, key: str) -> str | None:
         """The cause when the runner dies on its own; None when it was stopped."""
@@ -182,10 +223,14 @@ class NodeAgent:
         async def watch() -> None:
             code = await asyncio.to_thread(proc.wait)
             if not exit_future.done():
-                exit_future.set_result(f"rpc-server exited with {code}")
+                exit_future.set_result(f"rpc-server {_exit_text(code)}")
 
         asyncio.get_running_loop().create_task(watch())
-        return {"endpoint": f"{host}:{port}", "pid": proc.pid}
+        try:
+            measured = measure_pid(proc.pid)
+        except (ProcessLookupError, OSError):
+            measured = ZERO_PROCESS_MEMORY
+        return {"endpoint": f"{host}:{port}", "pid": proc.pid, "measured": measured}
 
     async def stop_rpc(self, key: str, grace: float) -> None:
         proc = self._rpc.pop(key, None)
@@ -232,3 +277,10 @@ def _accepts(host: str, port: int) -> bool:
 
 def _engine_error(message: str) -> dict[str, Any]:
     return {"class": "EngineError", "message": message, "code": "rpc_failed", "details": {}}
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by signal {signal.Signals(-code).name}"
+    return f"exited with code {code}"

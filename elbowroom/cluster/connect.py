@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 from elbowroom.cluster.agent import NodeAgent
 from elbowroom.cluster.remote import Node, Reading, _ray_errors
 from elbowroom.cluster.router import ClusterScheduler, NodeEntry
+from elbowroom.cluster.share import NodeCatalog, share_id
 from elbowroom.config import Settings
 from elbowroom.errors import ElbowroomError
 from elbowroom.scheduler.events import EventLog
@@ -47,9 +48,17 @@ def _import_ray() -> Any:
     return ray
 
 
+# Ray Client's per-client server sometimes dies as the proxy forks it (a gRPC race,
+# ray-project/ray#63202: "Initialization failure from server"); a new connection works.
+CLIENT_ATTEMPTS = 3
+
+
 def join(address: str) -> Any:
     ray = _import_ray()
-    if not ray.is_initialized():
+    attempts = CLIENT_ATTEMPTS if address.startswith("ray://") else 1
+    for attempt in range(1, attempts + 1):
+        if ray.is_initialized():
+            break
         try:
             ray.init(
                 address=address,
@@ -58,6 +67,10 @@ def join(address: str) -> Any:
                 configure_logging=False,
             )
         except (ConnectionError, RuntimeError, ValueError) as exc:
+            if attempt < attempts and "Initialization failure from server" in str(exc):
+                log.warning("Ray Client could not start a server for us (%s); retrying", exc)
+                ray.shutdown()
+                continue
             raise ClusterError(
                 f"cannot join the Ray cluster at {address!r}: {exc}. Start one with "
                 "`ray start --head` (docs/cluster.md), or give its address"
@@ -163,10 +176,21 @@ class ClusterServices:
         from elbowroom.scheduler.loop import Scheduler
 
         # Preloads and pins are placed by the router, not loaded on every node.
-        per_node = self.settings.replace(preload=(), pin=(), override_memory=None)
+        # A split model's share serves as many requests at once as the model's engine.
+        share_slots = tuple(
+            f"{share_id(name.strip())}={n}"
+            for name, _, n in (item.partition("=") for item in self.settings.model_slots)
+        )
+        per_node = self.settings.replace(
+            preload=(),
+            pin=(),
+            override_memory=None,
+            model_slots=(*self.settings.model_slots, *share_slots),
+        )
+        catalog = NodeCatalog(self._catalog)  # + the shares of split models on this node
         scheduler = Scheduler(
             per_node,
-            self._catalog,
+            catalog,
             probe=node.snapshot,
             runner_factory=node.runner_factory,
             measured=self._measured,
@@ -187,7 +211,7 @@ class ClusterServices:
         # readings come every cluster_poll seconds.
         await guard.start()
         monitor.start()
-        return NodeEntry(node, scheduler, guard=guard, monitor=monitor)
+        return NodeEntry(node, scheduler, guard=guard, monitor=monitor, catalog=catalog)
 
     async def _retire(self, entry: NodeEntry) -> None:
         if entry.monitor is not None:

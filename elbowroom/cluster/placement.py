@@ -6,8 +6,12 @@ answers across nodes:
 
     1. nodes where it fits now (Admit): best fit, the node left with the least room, so
        large holes stay free for large models;
-    2. else nodes where it fits after evicting idle models (Evict): the node that evicts
-       the fewest bytes (the same byte-based order, applied where it costs least);
+    2. else nodes where it fits after evicting idle models (Evict): one least-recently-
+       used order over the whole cluster. Each node's own decision evicts the shortest
+       prefix of its LRU order that makes room; walking every node's idle models from the
+       least recently used on, the first node whose prefix is complete is the one whose
+       most recently used victim is the oldest, so that node is chosen (then the fewest
+       bytes evicted): no model is evicted while an older idle one elsewhere would do;
     3. else nodes where it fits once busy models go idle (Wait): the one with fewest busy;
     4. else nowhere: a refusal that names every node's numbers (HTTP 507).
 
@@ -40,6 +44,9 @@ class NodeOption:
     limit: int  # the node's load ceiling
     pressure: Pressure = Pressure.NORMAL
     alive: bool = True
+    # Evict: the last use (scheduler clock, shared by every node's scheduler on the head)
+    # of the most recently used model it would evict.
+    evicts_used: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +113,7 @@ def choose(model: str, options: Sequence[NodeOption]) -> NodeOption | ClusterRef
         return min(admit, key=lambda o: (o.available - o.needed, *tie(o)))
     evict = [o for o in usable if isinstance(o.decision, Evict)]
     if evict:
-        return min(evict, key=lambda o: (_freed(o.decision), *tie(o)))
+        return min(evict, key=lambda o: (o.evicts_used or 0.0, _freed(o.decision), *tie(o)))
     wait = [o for o in usable if isinstance(o.decision, Wait)]
     if wait:
         return min(wait, key=lambda o: (_busy(o.decision), *tie(o)))

@@ -20,12 +20,15 @@ import itertools
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+from elbowroom.cluster.relay import Pulled, Source, Streamed, client_mode
+from elbowroom.engines.options import EngineOptions
+from elbowroom.engines.requests import Payload
 from elbowroom.errors import ElbowroomError, EngineError, RunnerCrashed, Unavailable
 from elbowroom.memory.types import ZERO_PROCESS_MEMORY, ProcessMemory, Snapshot
 from elbowroom.models.spec import ModelSpec
-from elbowroom.runtime.protocol import ExitCallback, ReadyInfo, Runner, RunnerState
+from elbowroom.runtime.protocol import ExitCallback, ReadyInfo, Runner, RunnerFactory, RunnerState
 
 log = logging.getLogger("elbowroom.cluster")
 
@@ -66,8 +69,11 @@ class Node:
         self.reading = reading
         self.alive = True
         self.gone_cause: str | None = None
-        self._runners: set[RemoteRunner] = set()
+        self._runners: set[_OnNode] = set()
         self._on_gone: list[Callable[[Node], None]] = []
+        # Runners made by another factory, by model id: a split model's share on this node
+        # (cluster.share.ShareRunner), registered by the router before its load.
+        self.factories: dict[str, RunnerFactory] = {}
 
     # ---- what the node's Scheduler and Monitor are given --------------------------------
 
@@ -81,9 +87,14 @@ class Node:
         return sum(m.resident for m in self.reading.runners.values()) + self.agent_bytes()
 
     def runner_factory(self, spec: ModelSpec, on_exit: ExitCallback) -> Runner:
-        runner = RemoteRunner(spec, on_exit, node=self)
+        make = self.factories.get(spec.id)
+        if make is not None:
+            return make(spec, on_exit)
+        return RemoteRunner(spec, on_exit, node=self)
+
+    def track(self, runner: _OnNode) -> None:
+        """``runner`` lives on this node: its requests fail at once if the node dies."""
         self._runners.add(runner)
-        return runner
 
     # ---- liveness ---------------------------------------------------------------------
 
@@ -109,8 +120,12 @@ class Node:
         for callback in self._on_gone:
             callback(self)
 
-    def forget(self, runner: RemoteRunner) -> None:
+    def forget(self, runner: _OnNode) -> None:
         self._runners.discard(runner)
+
+
+class _OnNode(Protocol):
+    def node_gone(self, cause: str) -> None: ...
 
 
 class RemoteRunner:
@@ -130,6 +145,7 @@ class RemoteRunner:
         self._pid: int | None = None
         self._exited = asyncio.Event()
         self._watch: asyncio.Task[None] | None = None
+        node.track(self)
 
     @property
     def pid(self) -> int | None:
@@ -143,7 +159,7 @@ class RemoteRunner:
     def exit_cause(self) -> str | None:
         return self._exit_cause
 
-    async def start(self, options: dict[str, Any]) -> ReadyInfo:
+    async def start(self, options: EngineOptions) -> ReadyInfo:
         if self._state is not RunnerState.NEW:
             raise RuntimeError(f"runner for {self.spec.id} was already started")
         if not self.node.alive:
@@ -210,17 +226,23 @@ class RemoteRunner:
             except Exception:
                 log.exception("on_exit callback for %s failed", self.spec.id)
 
-    async def request(self, kind: str, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def request(self, kind: str, payload: Payload) -> AsyncIterator[dict[str, Any]]:
         if self._state is not RunnerState.READY:
             raise self._not_ready()
-        stream = self.node.agent.request.options(num_returns="streaming").remote(
-            self._key, kind, payload
-        )
+        source: Source
+        if client_mode():
+            try:
+                source = await Pulled.open(self.node.agent, self._key, kind, payload)
+            except _ray_errors() as exc:
+                self.node.mark_gone(f"node {self.node.name} is gone ({type(exc).__name__})")
+                raise self._crashed(self.node.gone_cause or "node gone") from None
+        else:
+            source = Streamed(self.node.agent, self._key, kind, payload)
         exited = asyncio.ensure_future(self._exited.wait())
         answered = False
         try:
             while True:
-                nxt = asyncio.ensure_future(_next(stream))
+                nxt = asyncio.ensure_future(source.next())
                 await asyncio.wait({nxt, exited}, return_when=asyncio.FIRST_COMPLETED)
                 if not nxt.done():  # the runner or its node died: fail now, not at Ray's pace
                     nxt.cancel()
@@ -247,7 +269,7 @@ class RemoteRunner:
             exited.cancel()
             if not answered:  # the consumer left early: cancel the work on the node
                 with contextlib.suppress(Exception):
-                    _cancel(stream)
+                    source.cancel()
 
     async def stop(self, grace: float) -> None:
         if self._state in (RunnerState.NEW, RunnerState.STOPPED):
@@ -258,8 +280,8 @@ class RemoteRunner:
         self._state = RunnerState.STOPPED
 
     async def _stop_remote(self, grace: float) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
+        # The exit watch is left to end by itself (the agent answers it once the process
+        # is stopped): a cancelled call is an error in Ray Client's reply thread.
         if self.node.alive:
             try:
                 await asyncio.wait_for(self.node.agent.stop.remote(self._key, grace), 4 * grace + 5)
@@ -270,7 +292,9 @@ class RemoteRunner:
         self._exited.set()
 
     def measure(self) -> ProcessMemory:
-        if self._state is not RunnerState.READY:
+        # While it loads too: the node's reading has it, and bytes left out of ours would
+        # look like another process growing (the guard's trend).
+        if self._state not in (RunnerState.STARTING, RunnerState.READY):
             return ZERO_PROCESS_MEMORY
         return self.node.reading.runners.get(self._key, ZERO_PROCESS_MEMORY)
 
@@ -304,19 +328,3 @@ class RemoteRunner:
         return Unavailable(
             f"runner for {self.spec.id} is {self._state.value}, not ready", retry_after=1.0
         )
-
-
-async def _next(stream: Any) -> dict[str, Any] | None:
-    """The next message of a Ray streaming generator, or None at its end."""
-    try:
-        ref = await stream.__anext__()
-    except StopAsyncIteration:
-        return None
-    value: dict[str, Any] = await ref
-    return value
-
-
-def _cancel(stream: Any) -> None:
-    import ray
-
-    ray.cancel(stream)

@@ -23,20 +23,18 @@ from typing import Any
 
 from elbowroom.cluster.placement import ClusterRefusal, NodeOption, choose
 from elbowroom.cluster.pressure import cluster_pressure
+from elbowroom.cluster.share import SHARE_SUFFIX, NodeCatalog
 from elbowroom.cluster.split import SplitError
-from elbowroom.cluster.splitter import (
-    RunningSplit,
-    free_bytes,
-    plan_split,
-    start_split,
-    stop_split,
-)
+from elbowroom.cluster.split_plan import SplitPlan, plan_rooms, plan_split
+from elbowroom.cluster.splitter import NodeSlot, RunningSplit, start_split, stop_split
 from elbowroom.config import Settings
+from elbowroom.engines.options import RpcLlamaOptions
 from elbowroom.errors import ElbowroomError, InsufficientMemory
 from elbowroom.memory.types import Pressure
 from elbowroom.runtime.protocol import Runner
 from elbowroom.scheduler.events import EventLog
 from elbowroom.scheduler.loop import Scheduler
+from elbowroom.scheduler.policy import Evict, eviction_order
 from elbowroom.scheduler.records import InFlightRequest
 
 log = logging.getLogger("elbowroom.cluster")
@@ -50,6 +48,8 @@ class NodeEntry:
     scheduler: Scheduler
     guard: Any = None  # guard.guard.PressureGuard
     monitor: Any = None  # memory.monitor.Monitor
+    # The node scheduler's catalog: the cluster's, plus the shares of split models here.
+    catalog: NodeCatalog | None = None
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
 
     def level(self) -> Pressure:
@@ -134,11 +134,8 @@ class ClusterScheduler:
         spec = self._catalog.get(model_id)
         entry = await self._home(spec.id)
         if isinstance(entry, RunningSplit):
-            entry.busy += 1
-            try:
-                yield entry.runner
-            finally:
-                entry.busy -= 1
+            async with self._split_use(entry, keep_alive) as runner:
+                yield runner
             return
         if entry.guard is not None:
             entry.guard.check_admission()  # that node is under hard pressure: 503
@@ -151,6 +148,28 @@ class ClusterScheduler:
             if not self._active[spec.id]:
                 del self._active[spec.id]
 
+    @contextlib.asynccontextmanager
+    async def _split_use(
+        self, running: RunningSplit, keep_alive: float | None
+    ) -> AsyncIterator[Runner]:
+        """A request on a split model holds its share on every node (in device order, so
+        two requests never wait on each other): each node sees it busy and in flight (its
+        guard may abort it), and its last use orders the shares for eviction there."""
+        for share in running.shares:
+            if share.guard is not None:
+                share.guard.check_admission()  # a node of the split is under hard pressure
+        async with contextlib.AsyncExitStack() as stack:
+            for share in running.shares:
+                await stack.enter_async_context(
+                    share.scheduler.hold(share.id, keep_alive=keep_alive)
+                )
+            assert running.engine is not None
+            running.busy += 1
+            try:
+                yield running.engine
+            finally:
+                running.busy -= 1
+
     def home_of(self, model_id: str) -> NodeEntry | None:
         node_id = self._homes.get(model_id)
         entry = self.nodes.get(node_id) if node_id is not None else None
@@ -159,7 +178,7 @@ class ClusterScheduler:
         held = entry.scheduler.state().get(model_id) is not None
         return entry if held or self._active[model_id] else None
 
-    async def _home(self, model_id: str) -> NodeEntry | RunningSplit:
+    async def _home(self, model_id: str, pin: bool | None = None) -> NodeEntry | RunningSplit:
         running = self._splits.get(model_id)
         if running is not None:
             return running
@@ -178,65 +197,89 @@ class ClusterScheduler:
             except InsufficientMemory as refusal:
                 if not self.settings.cluster_split:
                     raise
-                return await self._split(model_id, refusal)
+                return await self._split(model_id, refusal, pin)
             self._homes[model_id] = entry.node.id
             return entry
 
-    async def _split(self, model_id: str, refusal: InsufficientMemory) -> RunningSplit:
-        """The model fits on no node: split it over them (docs/cluster.md), or refuse with
-        both reasons."""
-        from elbowroom.cluster.splitter import split_context
-        from elbowroom.engines.llama_rpc import rpc_build_dir
-        from elbowroom.scheduler.inputs import default_estimator
-
+    def _plan_split(self, model_id: str, refusal: InsufficientMemory) -> SplitPlan:
+        """Layers in proportion to the room of each node not under hard pressure: the bytes
+        free there now; if that does not fit, what evicting idle models would make free
+        (each node's share then evicts its own least recently used idle models)."""
         spec = self._catalog.get(model_id)
-        if self._tasks:  # a split still being taken down: plan with its memory back
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
-        live = self.live()
-        reports = [(e.node.id, e.scheduler.memory_report()) for e in live]
+        rows = []
+        for e in self.live():
+            if e.level() is Pressure.HARD:
+                continue
+            available = int(e.scheduler.memory_report()["available"])
+            evictable = sum(m.bytes for m in eviction_order(e.scheduler.state().models))
+            rows.append((e.node.name, available, evictable))
+        free, evict = plan_rooms(rows)
         try:
             if spec.gguf is None:
                 raise SplitError(f"{model_id} is not a llama.cpp model")
-            n_ctx = split_context(spec, self.settings)
-            kv = default_estimator().footprint(spec, n_ctx, 1, self.settings.kv_type)
-            plan = plan_split(spec, self.settings, free_bytes(reports), kv.kv_bytes_per_token)
+            try:
+                return plan_split(spec, self.settings, free)
+            except SplitError:
+                return plan_split(spec, self.settings, evict)
         except SplitError as exc:
             raise InsufficientMemory(
                 f"{refusal.message} A split over the nodes does not fit either: {exc}",
                 code="insufficient_memory",
                 details={**refusal.details, "split": str(exc)},
             ) from None
+
+    async def _split(
+        self, model_id: str, refusal: InsufficientMemory, pin: bool | None
+    ) -> RunningSplit:
+        """The model fits on no node: split it over them (docs/cluster.md), or refuse with
+        both reasons."""
+        from elbowroom.engines.llama_rpc import rpc_build_dir
+
+        spec = self._catalog.get(model_id)
+        if self._tasks:  # a split still being taken down: plan with its memory back
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        plan = self._plan_split(model_id, refusal)
         s = self.settings
-        options = {
-            "kv_type": s.kv_type,
-            "threads": s.threads,
-            "max_tokens_cap": s.max_tokens_cap,
-            "cache_ram_bytes": 0,
-            "kv_cache": False,  # the disk tier keys on one engine; a split has its own
-            "kv_cache_dir": str(s.kv_cache_path),
-            "kv_disk_max": s.kv_disk_max,
-            "kv_block_tokens": s.kv_block_tokens,
-        }
-        nodes = {e.node.id: e.node for e in live}
-        running = await start_split(
-            spec, plan, nodes, options, s.rpc_bin_dir or rpc_build_dir(), self._split_down
+        options = RpcLlamaOptions(
+            threads=s.threads,
+            kv_type=s.kv_type,
+            cache_ram_bytes=0,
+            kv_cache=False,  # the disk tier keys on one engine; a split has its own
+            kv_block_tokens=s.kv_block_tokens,
         )
+        slots = {e.node.name: self._slot(e) for e in self.live()}
+        running = RunningSplit(plan)
+        bin_dir = s.rpc_bin_dir or rpc_build_dir()
+        try:
+            await start_split(spec, running, slots, options, bin_dir, self._split_down, pin)
+        except BaseException:
+            running.closed = True
+            await asyncio.shield(stop_split(running, 2.0))
+            raise
         self._splits[model_id] = running
-        names = {e.node.id: e.node.name for e in live}
-        layers = {names[n]: k for n, k in plan.split.layers.items()}
+        layers = dict(plan.split.layers)
         self.events.add("split", model_id, f"split {model_id} over {layers}", layers=layers)
         return running
 
+    def _slot(self, e: NodeEntry) -> NodeSlot:
+        if e.catalog is None:  # connect.ClusterServices gives every node its scheduler's
+            raise RuntimeError(f"node {e.node.name} has no catalog its scheduler reads")
+        return NodeSlot(e.node, e.scheduler, e.catalog, e.guard)
+
     def _split_down(self, running: RunningSplit, cause: str) -> None:
-        """A part of a split died: fail its requests now, take the rest down, forget it."""
+        """A part of a split stopped or died: fail its requests now, unload the rest on
+        every node, forget it."""
         if running.closed:
             return
-        model = running.plan.model
+        running.closed = True
+        running.cause = cause
+        model = running.model
         if self._splits.get(model) is running:
             del self._splits[model]
         log.error("split of %s is down: %s", model, cause)
         self.events.add("crash", model, f"split of {model} is down: {cause}")
-        running.runner.node_gone(cause)
+        if running.engine is not None:
+            running.engine.node_gone(f"the split of {model} is down: {cause}")
         task = asyncio.get_running_loop().create_task(stop_split(running, 2.0))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -248,6 +291,10 @@ class ClusterScheduler:
                 continue
             decision, request = e.scheduler.preview(model_id)
             report = e.scheduler.memory_report()
+            newest = None
+            if isinstance(decision, Evict):
+                used = {m.id: m.last_used for m in e.scheduler.state().models}
+                newest = max((used[i] for i in decision.ids if i in used), default=None)
             out.append(
                 NodeOption(
                     node=e.node.id,
@@ -257,6 +304,7 @@ class ClusterScheduler:
                     available=int(report["available"]),
                     limit=int(report["ceiling"]),
                     pressure=e.level(),
+                    evicts_used=newest,
                 )
             )
         return out
@@ -279,9 +327,12 @@ class ClusterScheduler:
 
     async def load(self, model_id: str, *, pin: bool | None = None) -> dict[str, Any]:
         spec = self._catalog.get(model_id)
-        entry = await self._home(spec.id)
+        entry = await self._home(spec.id, pin)
         if isinstance(entry, RunningSplit):
-            return {"id": spec.id, "loaded": True, "split": True}
+            for share in entry.shares:  # pin or unpin every share (never load one here)
+                if pin is not None and share.scheduler.runner(share.id) is not None:
+                    await share.scheduler.load(share.id, pin=pin)
+            return {"id": spec.id, "loaded": True, "split": dict(entry.plan.split.layers)}
         self._active[spec.id] += 1  # holds the placement while it loads
         try:
             result = dict(await entry.scheduler.load(spec.id, pin=pin))
@@ -304,7 +355,7 @@ class ClusterScheduler:
 
     def runner(self, model_id: str) -> Runner | None:
         if model_id in self._splits:
-            return self._splits[model_id].runner
+            return self._splits[model_id].engine
         entry = self.home_of(model_id)
         return entry.scheduler.runner(model_id) if entry is not None else None
 
@@ -317,22 +368,46 @@ class ClusterScheduler:
             e.scheduler.pause_loads(paused)
 
     def ps(self) -> list[dict[str, Any]]:
+        """Every node's rows (a split model's share on a node is a row of that node, id
+        ``<model>~share``), then one row per split model over its shares."""
         rows = []
+        shares: dict[tuple[str, str], dict[str, Any]] = {}
         for e in self.live():
             for row in e.scheduler.ps():
-                rows.append({**row, "node": e.node.name})
-        names = {e.node.id: e.node.name for e in self.nodes.values()}
+                row = {**row, "node": e.node.name}
+                if row["id"].endswith(SHARE_SUFFIX):
+                    row["share_of"] = row["id"].removesuffix(SHARE_SUFFIX)
+                    shares[(e.node.name, row["id"])] = row
+                rows.append(row)
         for model, running in self._splits.items():
-            layers = {names.get(n, n): k for n, k in running.plan.split.layers.items()}
+            layers = dict(running.plan.split.layers)
+            parts = [shares.get((s.node.name, s.id), {}) for s in running.shares]
+            for part, share in zip(parts, running.shares, strict=True):
+                part["layers"] = layers.get(share.node.name)
+            engine = running.engine
             rows.append(
                 {
                     "id": model,
-                    "state": running.runner.state.value,
+                    "kind": "llm",
+                    "engine": "llama-rpc",
+                    "state": engine.state.value if engine is not None else "loading",
                     "busy": running.busy,
                     "node": "+".join(layers),
                     "split": layers,
-                    "rpc_pids": list(running.rpc_pids),
-                    "pid": running.runner.pid,
+                    "shares": [
+                        {
+                            "node": s.node.name,
+                            "id": s.id,
+                            "layers": layers.get(s.node.name),
+                            "bytes": p.get("bytes", 0),
+                            "predicted": p.get("predicted", 0),
+                        }
+                        for s, p in zip(running.shares, parts, strict=True)
+                    ],
+                    "bytes": sum(int(p.get("bytes", 0)) for p in parts),
+                    "predicted": sum(int(p.get("predicted", 0)) for p in parts),
+                    "rpc_pids": [s.runner.pid for s in running.shares],
+                    "pid": engine.pid if engine is not None else None,
                     "n_ctx": running.plan.n_ctx,
                     "slots": running.plan.slots,
                 }

@@ -6,16 +6,18 @@ engine says otherwise), and ``close`` before exit. Errors raised from ``run`` sh
 ``elbowroom.errors.ElbowroomError`` subclasses (library errors translated with
 ``raise ... from exc``); anything else reaches the client as a 500 EngineError.
 
-Ops and payloads (plain picklable dicts):
+``load`` takes the engine's options object (engines/options.py: ``LlamaOptions`` for the
+LLM engine, ``RpcLlamaOptions`` for a split one, ``EngineOptions`` for the rest). Ops and
+payloads:
 
-- llama  ``chat``:       {"messages": [...], "max_tokens", "temperature", "top_p", "seed",
-                          "stop": [..], "logprobs"?}
-         ``completion``: {"prompt": str, ...same sampling keys}
-         emits {"type": "delta", "text": str} per piece; returns
-         {"text", "finish_reason": "stop"|"length", "usage": {"prompt_tokens",
-          "completion_tokens", "cached_tokens"}}
-- whisper ``transcribe``: {"audio_path": str, "language", "prompt", "temperature"}
-         returns {"text", "language", "duration", "segments": [{"id","start","end","text"}]}
+- llama  ``chat``, ``completion``: an ``engines.requests.TextRequest`` (validated by the
+         server); emits {"type": "delta", "text": str, ...} per piece; returns
+         {"text", "finish_reason": "stop"|"length"|"tool_calls"|"cancelled", "usage":
+          {"prompt_tokens", "completion_tokens", "cached_tokens"}, ...}
+         ``open``: a ``TextRequest`` the server streams from the engine itself;
+         ``close``: a ``DirectClose`` (server/direct.py)
+- whisper, pocketsphinx ``transcribe``: {"audio_path": str, "language", "prompt",
+         "temperature"}; returns {"text", "language", "duration", "segments": [...]}
 - piper  ``speech``:      {"input", "voice", "speed", "response_format"}
          returns {"audio": bytes, "content_type": str}
 - onnx-embed ``embed``:   {"inputs": [str, ...]}
@@ -27,21 +29,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from elbowroom.engines.options import EngineOptions
+from elbowroom.engines.requests import Payload
 from elbowroom.models.spec import ModelSpec
 
 Emit = Callable[[dict[str, Any]], None]
 Cancelled = Callable[[], bool]
+PressureLevel = Callable[[], int]  # 0 normal, 1 soft, 2 hard (memory.types.Pressure)
 
 
 class Engine(Protocol):
-    def load(self, spec: ModelSpec, options: dict[str, Any]) -> dict[str, Any]:
-        """Load the model. ``options`` holds engine settings (n_ctx, kv_type, threads, ...).
+    def load(self, spec: ModelSpec, options: EngineOptions) -> dict[str, Any]:
+        """Load the model with the options of the engine's kind (engines/options.py).
         Returns facts about the load (e.g. {"n_ctx": 4096}) that the supervisor reports."""
         ...
 
-    def run(
-        self, op: str, payload: dict[str, Any], emit: Emit, cancelled: Cancelled
-    ) -> dict[str, Any]:
+    def run(self, op: str, payload: Payload, emit: Emit, cancelled: Cancelled) -> dict[str, Any]:
         """Serve one request; call ``emit`` for streamed pieces; poll ``cancelled()`` often
         (at least every few tokens) and stop early when it returns True."""
         ...
@@ -53,16 +56,18 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
-def create_engine(name: str) -> Engine:
-    """Import lazily: a runner imports only its own library."""
+def create_engine(name: str, pressure: PressureLevel = lambda: 0) -> Engine:
+    """Import lazily: a runner imports only its own library. ``pressure`` reads the
+    runner's current memory pressure level (the LLM engine refuses and aborts generations
+    on hard pressure)."""
     if name == "llama":
         from elbowroom.engines.llama import LlamaEngine
 
-        return LlamaEngine()
+        return LlamaEngine(pressure)
     if name == "llama-rpc":  # a model split over nodes (docs/cluster.md)
         from elbowroom.engines.llama_rpc import RpcLlamaEngine
 
-        return RpcLlamaEngine()
+        return RpcLlamaEngine(pressure)
     if name == "whisper":
         from elbowroom.engines.whisper import WhisperEngine
 

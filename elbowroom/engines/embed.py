@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 
 from elbowroom.engines.base import Cancelled, Emit
+from elbowroom.engines.options import EngineOptions
+from elbowroom.engines.requests import Payload, fields
 from elbowroom.errors import BadRequest, EngineError
 from elbowroom.models.spec import ModelSpec
 
@@ -69,7 +71,7 @@ class OnnxEmbedEngine:
         self._requests = 0
         self._tokens = 0
 
-    def load(self, spec: ModelSpec, options: dict[str, Any]) -> dict[str, Any]:
+    def load(self, spec: ModelSpec, options: EngineOptions) -> dict[str, Any]:
         try:
             import onnxruntime as ort
             from tokenizers import Tokenizer
@@ -77,11 +79,11 @@ class OnnxEmbedEngine:
             raise EngineError(
                 "onnxruntime/tokenizers are not installed: pip install 'elbowroom[embed]'"
             ) from exc
-        tokenizer_path = options.get("tokenizer") or spec.options.get("tokenizer")
+        tokenizer_path = spec.options.get("tokenizer")
         if not tokenizer_path or not Path(tokenizer_path).is_file():
             raise EngineError(f"the embedding model {spec.id} needs a tokenizer.json file")
-        max_tokens = int(options.get("max_tokens") or MAX_TOKENS)
-        threads = int(options.get("threads") or 2)
+        max_tokens = MAX_TOKENS
+        threads = options.threads or 2
         try:
             tokenizer = Tokenizer.from_file(str(tokenizer_path))
             tokenizer.enable_truncation(max_tokens)
@@ -112,14 +114,12 @@ class OnnxEmbedEngine:
         self._pad_id = int(tokenizer.token_to_id("[PAD]") or 0)
         return {"max_tokens": max_tokens, "dimensions": int(session.get_outputs()[0].shape[-1])}
 
-    def run(
-        self, op: str, payload: dict[str, Any], emit: Emit, cancelled: Cancelled
-    ) -> dict[str, Any]:
+    def run(self, op: str, payload: Payload, emit: Emit, cancelled: Cancelled) -> dict[str, Any]:
         if op != "embed":
             raise BadRequest(f"the embedding engine does not serve {op!r}; it serves 'embed'")
         if self._session is None:
             raise EngineError("the embedding engine is not loaded")
-        inputs = payload.get("inputs")
+        inputs = fields(op, payload).get("inputs")
         if not isinstance(inputs, list) or not inputs:
             raise BadRequest("inputs must be a non-empty list of strings", param="input")
         for i, text in enumerate(inputs):

@@ -19,16 +19,17 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Callable
 from typing import Any
 
 from elbowroom.config import KV_TYPES
-from elbowroom.engines.base import Cancelled, Emit
+from elbowroom.engines.base import Cancelled, Emit, PressureLevel
 from elbowroom.engines.llama_control import EngineControl
 from elbowroom.engines.llama_slots import Slots
 from elbowroom.engines.llama_stream import StreamState
 from elbowroom.engines.llama_tools import parse as parse_tool_reply
 from elbowroom.engines.llama_tools import plan as plan_tools
+from elbowroom.engines.options import EngineOptions, LlamaOptions, expect
+from elbowroom.engines.requests import DirectClose, Payload, TextRequest
 from elbowroom.errors import (
     BadRequest,
     ContextOverflow,
@@ -54,7 +55,7 @@ FALLBACK_ROLES = {"system": "System", "user": "User", "assistant": "Assistant", 
 FALLBACK_STOPS = ["\nUser:", "\nSystem:"]
 
 
-def select_gpus(devices: list[int] | None) -> None:
+def select_gpus(devices: tuple[int, ...] | None) -> None:
     """Show the engine only the GPUs its placement uses (scheduler/placement.py); [] hides
     them all. llama.cpp makes a CUDA context (~0.6 GiB) on every GPU it can see, layers or
     not, so hiding is how a CPU-only model keeps off the GPUs. CUDA numbers devices
@@ -68,15 +69,14 @@ def select_gpus(devices: list[int] | None) -> None:
 
 
 class LlamaEngine:
-    def __init__(self) -> None:
+    def __init__(self, pressure: PressureLevel = lambda: 0) -> None:
         self._server: Any = None
         self._control: EngineControl | None = None
         self._n_ctx = 0  # per slot
         self._slots = 1
         self._chat_template = False
         self._native_tools = False
-        self._max_tokens_cap: int | None = None
-        self._pressure: Callable[[], int] = lambda: 0
+        self._pressure = pressure  # the runner's memory pressure level (runtime/worker.py)
         self._slot_pool: Slots | None = None
         self._cache_grant = 0  # bytes the engine's RAM prompt cache may hold
         self._block = 1  # cached_tokens are reported in whole blocks of this many tokens
@@ -91,25 +91,23 @@ class LlamaEngine:
 
     # ---- lifecycle ---------------------------------------------------------------------
 
-    def load(self, spec: ModelSpec, options: dict[str, Any]) -> dict[str, Any]:
-        select_gpus(options.get("gpu_devices"))
+    def load(self, spec: ModelSpec, options: EngineOptions) -> dict[str, Any]:
+        opts = expect(options, LlamaOptions, "llama")
+        select_gpus(opts.offload.devices)
         import xllamacpp
 
-        kv_type = str(options.get("kv_type") or "f16")
+        kv_type = opts.kv_type
         if kv_type not in KV_TYPES:
             raise BadRequest(f"kv_type must be one of {', '.join(KV_TYPES)}, not {kv_type!r}")
-        self._n_ctx = int(options.get("n_ctx") or 2048)
-        self._slots = max(1, int(options.get("slots") or 1))
+        self._n_ctx = opts.n_ctx
+        self._slots = max(1, opts.slots)
         self.max_concurrent = self._slots
-        self._pressure = options.get("pressure") or (lambda: 0)
-        cap = options.get("max_tokens_cap")
-        self._max_tokens_cap = int(cap) if cap else None
         self._chat_template = bool(spec.gguf is not None and spec.gguf.has_chat_template)
 
         control = self._control = EngineControl()
         version = str(getattr(xllamacpp, "__version__", "?"))
         key = CacheKey(spec.identity, self._n_ctx, kv_type, engine=f"xllamacpp {version}")
-        slots = self._slot_pool = Slots.create(control, self._slots, key, options)
+        slots = self._slot_pool = Slots.create(control, self._slots, key, opts)
         # Reported cached_tokens are rounded down to whole cache blocks: exact counts would
         # let one client probe, token by token, what another client's prompt began with.
         self._block = slots.block_tokens
@@ -129,15 +127,16 @@ class LlamaEngine:
         params.flash_attn_type = (
             fa.LLAMA_FLASH_ATTN_TYPE_ENABLED if kv_type != "f16" else fa.LLAMA_FLASH_ATTN_TYPE_AUTO
         )
-        threads = options.get("threads")
-        if threads:
-            params.cpuparams.n_threads = int(threads)
-            params.cpuparams_batch.n_threads = int(threads)
+        if opts.threads:
+            params.cpuparams.n_threads = opts.threads
+            params.cpuparams_batch.n_threads = opts.threads
+        if opts.mlock:  # the weights stay mapped and locked: the OS cannot drop them
+            params.load_mode = xllamacpp.llama_load_mode.LLAMA_LOAD_MODE_MMAP_MLOCK
         # The RAM prompt cache is a grant from elbowroom's budget; the engine's default
         # (8 GiB) must never apply unbudgeted.
-        params.cache_ram_mib = max(0, int(options.get("cache_ram_bytes", 0)) // (1 << 20))
+        params.cache_ram_mib = max(0, opts.cache_ram_bytes // (1 << 20))
         self._cache_grant = params.cache_ram_mib << 20
-        params.n_gpu_layers = int(options.get("n_gpu_layers", 0))
+        params.n_gpu_layers = opts.offload.n_gpu_layers
         if spec.projector is not None:  # vision (models/vision.py)
             params.mmproj.path = str(spec.projector.path)
             # The projector is budgeted in host RAM: on a GPU its bytes would be VRAM the
@@ -145,10 +144,8 @@ class LlamaEngine:
             params.mmproj_use_gpu = False
         else:
             params.no_mmproj = True
-        if options.get("main_gpu") is not None:
-            params.main_gpu = int(options["main_gpu"])
-        if options.get("tensor_split"):
-            split = [float(x) for x in options["tensor_split"]]
+        if opts.offload.tensor_split:
+            split = list(opts.offload.tensor_split)
             # The binding takes exactly llama.cpp's 128 entries (one per possible device).
             params.tensor_split = split + [0.0] * (128 - len(split))
         params.fit_params = False  # placement is elbowroom's budget, not the engine's guess
@@ -160,7 +157,7 @@ class LlamaEngine:
         params.api_keys = [control.key]
         params.slot_save_path = slots.save_path
         params.endpoint_metrics = True
-        params.verbosity = 0 if options.get("log_level", "info") != "debug" else 3
+        params.verbosity = 0 if opts.log_level != "debug" else 3
         if not spec.path.is_file():
             control.cleanup()
             raise EngineError(f"cannot load {spec.id}: {spec.path} is not a readable file")
@@ -252,28 +249,28 @@ class LlamaEngine:
 
     # ---- requests ----------------------------------------------------------------------
 
-    def run(
-        self, op: str, payload: dict[str, Any], emit: Emit, cancelled: Cancelled
-    ) -> dict[str, Any]:
+    def run(self, op: str, payload: Payload, emit: Emit, cancelled: Cancelled) -> dict[str, Any]:
         if self._server is None:
             raise EngineError("the model is not loaded")
-        if op == "close":
+        if op == "close" and isinstance(payload, DirectClose):
             return self._close(payload)
-        if op not in ("chat", "completion", "open"):
-            raise BadRequest(f"the llama engine does not serve {op!r} (chat, completion)")
+        if op not in ("chat", "completion", "open") or not isinstance(payload, TextRequest):
+            raise BadRequest(
+                f"the llama engine serves chat, completion and open with a TextRequest, not "
+                f"{op!r} with a {type(payload).__name__}"
+            )
         if self._pressure() >= Pressure.HARD:  # refuse before spending a prefill on it
             raise MemoryPressure(
                 "memory pressure is hard: no new generation starts; retry later or free memory",
                 code="memory_pressure",
             )
         if op == "open":
-            request = dict(payload.get("request") or {})
-            return self._open(str(payload.get("kind")), request, bool(payload.get("stream")))
-        body, emulated = self._body(op, payload)
-        chat = op == "chat" and "messages" in body
+            return self._open(payload)
+        body, emulated = self._body(payload)
+        chat = "messages" in body
         state = StreamState(chat=chat)
         stopped: list[str] = []
-        slot, isolated = self._take_slot(body, payload, chat)
+        slot, isolated = self._take_slot(body, payload.isolated, chat)
         try:
             self._call(chat, body, state, emit, cancelled, stopped, emulated)
         finally:
@@ -305,24 +302,22 @@ class LlamaEngine:
 
     # ---- direct streams (server/direct.py) ----------------------------------------------
 
-    def _open(self, op: str, payload: dict[str, Any], stream: bool) -> dict[str, Any]:
+    def _open(self, request: TextRequest) -> dict[str, Any]:
         """Prepare a request that the server process sends to the engine's private socket
         itself (no token crosses the runner pipe): pick and prepare its slot, and hand
-        back the engine request (``stream`` or one JSON answer). Requests whose answer
-        elbowroom must rewrite on the way (emulated tools, the no-template transcript,
-        logprobs) are declined: the server runs them through ``run`` instead."""
-        if op not in ("chat", "completion"):
-            raise BadRequest(f"the llama engine does not stream {op!r} (chat, completion)")
-        body, emulated = self._body(op, payload)
-        chat = op == "chat" and "messages" in body
-        if emulated or (op == "chat" and not chat) or body.get("logprobs") or "n_probs" in body:
+        back the engine request (``request.stream`` or one JSON answer). Requests whose
+        answer elbowroom must rewrite on the way (emulated tools, the no-template
+        transcript, logprobs) are declined: the server runs them through ``run`` instead."""
+        body, emulated = self._body(request)
+        chat = "messages" in body
+        if emulated or (request.kind == "chat" and not chat) or request.logprobs is not None:
             return {"direct": False}
         assert self._control is not None
         body.pop("return_progress", None)  # progress chunks are for the in-runner path only
-        if not stream:
+        if not request.stream:
             body["stream"] = False
             body.pop("stream_options", None)
-        slot, isolated = self._take_slot(body, payload, chat)
+        slot, isolated = self._take_slot(body, request.isolated, chat)
         with self._lock:
             ticket = self._next_ticket = self._next_ticket + 1
             self._tickets[ticket] = (slot, isolated)
@@ -337,30 +332,26 @@ class LlamaEngine:
             "block_tokens": self._block,
         }
 
-    def _close(self, payload: dict[str, Any]) -> dict[str, Any]:
+    def _close(self, closing: DirectClose) -> dict[str, Any]:
         """A direct stream ended (any way): give its slot back."""
         with self._lock:
-            entry = self._tickets.pop(int(payload.get("ticket", 0)), None)
+            entry = self._tickets.pop(closing.ticket, None)
         if entry is None:
             return {"closed": False}
         self._give_slot(*entry)
-        timings = payload.get("timings")
-        if isinstance(timings, dict):
-            self._give_timings(timings)
+        if closing.timings is not None:
+            self._give_timings(closing.timings)
         return {"closed": True}
 
     # ---- slots (one lifecycle for piped and direct requests) ---------------------------
 
-    def _take_slot(
-        self, body: dict[str, Any], payload: dict[str, Any], chat: bool
-    ) -> tuple[int, bool]:
+    def _take_slot(self, body: dict[str, Any], isolated: bool, chat: bool) -> tuple[int, bool]:
         """A slot for ``body`` (set as its ``id_slot``), with its disk-tier state restored;
         returns (slot, cache-isolated). A salted request (cache isolation) reuses no state
         and leaves none behind: no prompt cache, no slot reuse, no disk tier, and its slot
         is wiped when it is given back."""
         pool = self._slot_pool
         assert pool is not None
-        isolated = bool(payload.get("cache_salt"))
         slot = pool.acquire("" if isolated else _slot_key(body))
         body["id_slot"] = slot
         if isolated:
@@ -430,50 +421,42 @@ class LlamaEngine:
         except Exception as exc:  # the binding raised instead of calling back
             raise EngineError(f"llama.cpp failed: {exc}") from exc
 
-    def _body(self, op: str, payload: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-        """The engine request for ``payload`` (validated by the server's schemas)."""
+    def _body(self, request: TextRequest) -> tuple[dict[str, Any], bool]:
+        """llama.cpp's request for ``request`` (validated and clamped by the server:
+        nothing is checked again here); True when tool calls are emulated."""
         body: dict[str, Any] = {
-            k: v
-            for k, v in payload.items()
-            if v is not None
-            and k
-            in (
-                "temperature",
-                "top_p",
-                "seed",
-                "stop",
-                "response_format",
-                "logprobs",
-                "top_logprobs",
-                "presence_penalty",
-                "frequency_penalty",
-                "logit_bias",
-                "tools",
-                "tool_choice",
-                "parallel_tool_calls",
-            )
+            "max_tokens": request.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_progress": True,
+            "cache_prompt": True,
         }
-        if not body.get("stop"):
-            body.pop("stop", None)
-        max_tokens = payload.get("max_tokens")
-        if self._max_tokens_cap:
-            max_tokens = min(max_tokens or self._max_tokens_cap, self._max_tokens_cap)
-        if max_tokens:
-            body["max_tokens"] = int(max_tokens)
-        if op == "completion" and body.get("logprobs"):
-            # /v1/completions' logprobs is the number of alternatives (legacy shape).
-            body["n_probs"] = int(body.pop("logprobs"))
-            body.pop("top_logprobs", None)
-        body.update(stream=True, stream_options={"include_usage": True}, return_progress=True)
-        body["cache_prompt"] = True
-        emulated = False
-        if op == "completion":
-            body["prompt"] = payload.get("prompt", "")
-        else:
-            native = self._chat_template and self._native_tools
-            tool_plan = plan_tools({**body, "messages": payload.get("messages", [])}, native)
-            body, emulated = tool_plan.body, tool_plan.emulated
-        if op == "chat" and not self._chat_template:
+        for key, value in (
+            ("temperature", request.temperature),
+            ("top_p", request.top_p),
+            ("seed", request.seed),
+            ("presence_penalty", request.presence_penalty),
+            ("frequency_penalty", request.frequency_penalty),
+            ("logit_bias", request.logit_bias),
+            ("response_format", request.response_format),
+            ("parallel_tool_calls", request.parallel_tool_calls),
+        ):
+            if value is not None:
+                body[key] = value
+        if request.stop:
+            body["stop"] = list(request.stop)
+        if request.kind == "completion":
+            body["prompt"] = request.prompt
+            if request.logprobs is not None:
+                body["n_probs"] = request.logprobs  # alternatives per token
+            return body, False
+        if request.logprobs is not None:
+            body.update(logprobs=True, top_logprobs=request.logprobs)
+        native = self._chat_template and self._native_tools
+        tools = {"tools": list(request.tools), "tool_choice": request.tool_choice}
+        tool_plan = plan_tools({**body, **tools, "messages": list(request.messages)}, native)
+        body, emulated = tool_plan.body, tool_plan.emulated
+        if not self._chat_template:
             # No chat template: a plain transcript through the completion endpoint.
             body["prompt"] = _fallback_prompt(body.pop("messages"))
             body["stop"] = [*body.get("stop", []), *FALLBACK_STOPS]
@@ -482,7 +465,7 @@ class LlamaEngine:
             # The completion endpoint takes chat's logprobs as n_probs (alternatives).
             top = body.pop("top_logprobs", None)
             if body.pop("logprobs", None):
-                body["n_probs"] = max(1, int(top or 1))
+                body["n_probs"] = top
         return body, emulated
 
 

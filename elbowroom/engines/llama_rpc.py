@@ -26,13 +26,17 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from elbowroom.cluster.rpc import check_rpc_bind
 from elbowroom.cluster.split import tensor_split_arg
+from elbowroom.engines.base import Cancelled, Emit, PressureLevel
 from elbowroom.engines.llama import LlamaEngine
 from elbowroom.engines.llama_control import _UnixConnection
+from elbowroom.engines.options import EngineOptions, Offload, RpcLlamaOptions, expect
+from elbowroom.engines.requests import Payload
 from elbowroom.errors import EngineError, RunnerCrashed
 from elbowroom.models.spec import ModelSpec
 
@@ -197,32 +201,31 @@ class LlamaServerProcess:
 
 
 class RpcLlamaEngine(LlamaEngine):
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, pressure: PressureLevel = lambda: 0) -> None:
+        super().__init__(pressure)
         self._rpc: list[str] = []
         self._split: list[int] = []
         self._binary = default_binary("llama-server")
         self.log_path: Path | None = None
 
-    def load(self, spec: ModelSpec, options: dict[str, Any]) -> dict[str, Any]:
-        self._rpc = [str(s) for s in options.get("rpc_servers") or ()]
-        self._split = [int(n) for n in options.get("rpc_split") or ()]
+    def load(self, spec: ModelSpec, options: EngineOptions) -> dict[str, Any]:
+        opts = expect(options, RpcLlamaOptions, "llama-rpc")
+        self._rpc = list(opts.rpc_servers)
+        self._split = list(opts.rpc_split)
         if len(self._rpc) != len(self._split):
             raise EngineError("a split model needs one rpc_split count per rpc_servers entry")
-        self._binary = Path(options.get("llama_server") or default_binary("llama-server"))
+        self._binary = Path(opts.llama_server or default_binary("llama-server"))
         if not self._binary.is_file():
             raise EngineError(
                 f"no RPC-enabled llama-server at {self._binary}: run scripts/rpc_engine.sh "
                 "(docs/cluster.md)"
             )
-        facts = super().load(spec, {**options, "n_gpu_layers": 999, "tensor_split": None})
+        # Every layer goes to the devices: the RPC servers (in rpc_split's proportions).
+        facts = super().load(spec, replace(opts, offload=Offload(n_gpu_layers=999)))
         return {**facts, "engine": "llama-server (RPC)", "rpc_servers": self._rpc,
                 "rpc_split": self._split}  # fmt: skip
 
-    def run(
-        self, op: str, payload: dict[str, Any], emit: Callable[[dict[str, Any]], None],
-        cancelled: Callable[[], bool],
-    ) -> dict[str, Any]:  # fmt: skip
+    def run(self, op: str, payload: Payload, emit: Emit, cancelled: Cancelled) -> dict[str, Any]:
         try:
             return super().run(op, payload, emit, cancelled)
         except EngineError as err:

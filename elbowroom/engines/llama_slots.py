@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from elbowroom.engines.llama_control import EngineControl
+from elbowroom.engines.options import LlamaOptions
 from elbowroom.errors import Unavailable
 from elbowroom.kvcache import CacheKey, PrefixCache
 from elbowroom.kvcache.blocks import common_prefix
@@ -85,20 +86,19 @@ class Slots:
         self.restored_tokens = 0
 
     @staticmethod
-    def create(control: EngineControl, slots: int, key: CacheKey, options: dict[str, Any]) -> Slots:
+    def create(control: EngineControl, slots: int, key: CacheKey, options: LlamaOptions) -> Slots:
         save_dir = control.dir / "slots"
         save_dir.mkdir(mode=0o700)
-        block = int(options.get("kv_block_tokens") or 64)
+        block = options.kv_block_tokens
         cache = None
-        disk_max = int(options.get("kv_disk_max") or 0)
-        if options.get("kv_cache", True) and disk_max > 0 and options.get("kv_cache_dir"):
+        if options.kv_cache and options.kv_disk_max > 0 and options.kv_cache_dir:
             # ram_budget 0: the engine's prompt cache is the RAM tier; entries go to disk.
             cache = PrefixCache(
                 key,
                 block_tokens=block,
                 ram_budget=0,
-                disk_dir=Path(options["kv_cache_dir"]),
-                disk_max=disk_max,
+                disk_dir=Path(options.kv_cache_dir),
+                disk_max=options.kv_disk_max,
             )
         return Slots(control, slots, cache, save_dir, block)
 

@@ -14,6 +14,8 @@ import numpy as np
 
 from elbowroom.engines.audio import FORMATS, encode_audio, supported_formats
 from elbowroom.engines.base import Cancelled, Emit
+from elbowroom.engines.options import EngineOptions
+from elbowroom.engines.requests import Payload, fields
 from elbowroom.errors import BadRequest, EngineError
 from elbowroom.models.spec import ModelSpec
 
@@ -54,7 +56,7 @@ class PiperEngine:
         self._requests = 0
         self._audio_seconds = 0.0
 
-    def load(self, spec: ModelSpec, options: dict[str, Any]) -> dict[str, Any]:
+    def load(self, spec: ModelSpec, options: EngineOptions) -> dict[str, Any]:
         try:
             import onnxruntime as ort
             from piper import PiperConfig, PiperVoice, SynthesisConfig
@@ -63,7 +65,7 @@ class PiperEngine:
                 "piper-tts is not installed, so speech synthesis is off; install the tts extra "
                 "(pip install 'elbowroom[tts]'; piper-tts is GPL-3.0)"
             ) from exc
-        config = options.get("config") or spec.options.get("config") or f"{spec.path}.json"
+        config = spec.options.get("config") or f"{spec.path}.json"
         if not Path(config).is_file():
             raise EngineError(f"the piper voice config {config} is missing")
         # What PiperVoice.load does, but without onnxruntime's memory arena: with it the
@@ -71,7 +73,7 @@ class PiperEngine:
         # load, 296 MB after six requests); without, it stays near 150 MB.
         session_options = ort.SessionOptions()
         session_options.enable_cpu_mem_arena = False
-        session_options.intra_op_num_threads = int(options.get("threads") or 2)
+        session_options.intra_op_num_threads = options.threads or 2
         try:
             voice_config = PiperConfig.from_dict(json.loads(Path(config).read_text()))
             session = ort.InferenceSession(
@@ -88,22 +90,21 @@ class PiperEngine:
             "formats": list(self._formats),
         }
 
-    def run(
-        self, op: str, payload: dict[str, Any], emit: Emit, cancelled: Cancelled
-    ) -> dict[str, Any]:
+    def run(self, op: str, payload: Payload, emit: Emit, cancelled: Cancelled) -> dict[str, Any]:
         if op != "speech":
             raise BadRequest(f"the piper engine does not serve {op!r}; it serves 'speech'")
         if self._voice is None:
             raise EngineError("the piper engine is not loaded")
-        text = payload.get("input")
+        req = fields(op, payload)
+        text = req.get("input")
         if not isinstance(text, str) or not text.strip():
             raise BadRequest("input must be non-empty text", param="input")
-        speed = check_speed(payload.get("speed"))
-        fmt = check_format(payload.get("response_format"), self._formats)
+        speed = check_speed(req.get("speed"))
+        fmt = check_format(req.get("response_format"), self._formats)
         cfg = self._voice.config
         # OpenAI voice names (alloy, ...) have no piper equivalent: a multi-speaker voice
         # uses the named speaker if it has one, every other name gets the default speaker.
-        speaker = cfg.speaker_id_map.get(str(payload.get("voice") or ""))
+        speaker = cfg.speaker_id_map.get(str(req.get("voice") or ""))
         syn = self._syn_config(speaker_id=speaker, length_scale=cfg.length_scale / speed)
         pieces: list[np.ndarray] = []
         try:

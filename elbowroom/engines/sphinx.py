@@ -13,6 +13,8 @@ from typing import Any
 
 from elbowroom.engines.audio import MAX_AUDIO_SECONDS, TranscribeRequest, decode_audio
 from elbowroom.engines.base import Cancelled, Emit
+from elbowroom.engines.options import EngineOptions
+from elbowroom.engines.requests import Payload, fields
 from elbowroom.errors import BadRequest, EngineError
 from elbowroom.models.spec import ModelSpec
 
@@ -47,7 +49,7 @@ class SphinxEngine:
         self._max_seconds = MAX_AUDIO_SECONDS
         self._requests = 0
 
-    def load(self, spec: ModelSpec, options: dict[str, Any]) -> dict[str, Any]:
+    def load(self, spec: ModelSpec, options: EngineOptions) -> dict[str, Any]:
         try:
             from pocketsphinx import Decoder
         except ImportError as exc:
@@ -62,14 +64,12 @@ class SphinxEngine:
         self._frate = int(self._decoder.config["frate"])
         return {"sample_rate": SAMPLE_RATE}
 
-    def run(
-        self, op: str, payload: dict[str, Any], emit: Emit, cancelled: Cancelled
-    ) -> dict[str, Any]:
+    def run(self, op: str, payload: Payload, emit: Emit, cancelled: Cancelled) -> dict[str, Any]:
         if op != "transcribe":
             raise BadRequest(f"the sphinx engine does not serve {op!r}; it serves 'transcribe'")
         if self._decoder is None:
             raise EngineError("the sphinx engine is not loaded")
-        req = TranscribeRequest.from_payload(payload)
+        req = TranscribeRequest.from_payload(fields(op, payload))
         req.require_english()
         samples = decode_audio(req.audio_path, SAMPLE_RATE, self._max_seconds)
         dec = self._decoder

@@ -8,6 +8,8 @@ import numpy as np
 
 from elbowroom.engines.audio import MAX_AUDIO_SECONDS, TranscribeRequest, decode_audio
 from elbowroom.engines.base import Cancelled, Emit
+from elbowroom.engines.options import EngineOptions
+from elbowroom.engines.requests import Payload, fields
 from elbowroom.errors import BadRequest, EngineError
 from elbowroom.models.spec import ModelSpec
 
@@ -21,14 +23,14 @@ class WhisperEngine:
         self._requests = 0
         self._audio_seconds = 0.0
 
-    def load(self, spec: ModelSpec, options: dict[str, Any]) -> dict[str, Any]:
+    def load(self, spec: ModelSpec, options: EngineOptions) -> dict[str, Any]:
         try:
             from faster_whisper import WhisperModel
         except ImportError as exc:
             raise EngineError(
                 "faster-whisper is not installed: pip install 'elbowroom[asr]'"
             ) from exc
-        threads = int(options.get("threads") or 2)
+        threads = options.threads or 2
         try:
             self._model = WhisperModel(
                 str(spec.path), device="cpu", compute_type="int8", cpu_threads=threads
@@ -37,14 +39,12 @@ class WhisperEngine:
             raise EngineError(f"cannot load the whisper model at {spec.path}: {exc}") from exc
         return {"threads": threads, "multilingual": bool(self._model.model.is_multilingual)}
 
-    def run(
-        self, op: str, payload: dict[str, Any], emit: Emit, cancelled: Cancelled
-    ) -> dict[str, Any]:
+    def run(self, op: str, payload: Payload, emit: Emit, cancelled: Cancelled) -> dict[str, Any]:
         if op != "transcribe":
             raise BadRequest(f"the whisper engine does not serve {op!r}; it serves 'transcribe'")
         if self._model is None:
             raise EngineError("the whisper engine is not loaded")
-        req = TranscribeRequest.from_payload(payload)
+        req = TranscribeRequest.from_payload(fields(op, payload))
         multilingual = bool(self._model.model.is_multilingual)
         if not multilingual:
             req.require_english()

@@ -339,14 +339,16 @@ class PressureGuard:
             self._aborting[action.request_id] = action.model
         self.counters[(kind, reason)] += 1
         message = action.message()
+        pool = getattr(action, "pool", "host")
         log.log(
             logging.INFO
             if isinstance(action, ResumeLoads | OpenAdmission | SetPressure)
             else logging.WARNING,
-            "pressure guard: %s (level %s, limit %s)",
+            "pressure guard: %s (level %s, %s)",
             message,
             level,
-            format_size(reading.limit),
+            # a GPU pool's numbers are in the message; the host limit would mislead there
+            f"limit {format_size(reading.limit)}" if pool == "host" else f"{pool} pool",
         )
         self._events.append(
             GuardEvent(

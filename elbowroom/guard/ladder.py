@@ -123,9 +123,13 @@ class PauseLoads:
     usage: int
     soft: int
     why: str | None = None  # when the level is not from these numbers (the trend)
+    pool: str = "host"  # the pool whose numbers these are
 
     def message(self) -> str:
-        return f"pausing model loads: {self.why or _over(self.usage, self.soft, 'soft')}"
+        return (
+            f"pausing model loads{_on(self.pool)}: "
+            f"{self.why or _over(self.usage, self.soft, 'soft')}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,14 +165,15 @@ class Unload:
     pinned: bool = False
     busy: bool = False  # evicted with its generations aborted: goes once they have ended
     pool: str = "host"  # the pool whose pressure chose it (usage/threshold are that pool's)
+    pool_bytes: int = 0  # what it holds in that pool, when that is a GPU
 
     def message(self) -> str:
         what = "pinned model" if self.pinned else "idle model"
         if self.busy:
             what = "busy model (its generations aborted)"
         return (
-            f"unloading {what} {self.model} ({format_size(self.bytes)}) at "
-            f"{self.level.label} pressure{_on(self.pool)}: "
+            f"unloading {what} {self.model} ({_held(self.bytes, self.pool, self.pool_bytes)})"
+            f" at {self.level.label} pressure{_on(self.pool)}: "
             f"{_over(self.usage, self.threshold, self.level.label)}"
         )
 
@@ -183,11 +188,12 @@ class Abort:
     usage: int
     hard: int
     pool: str = "host"
+    pool_bytes: int = 0  # what the runner holds in that pool, when that is a GPU
 
     def message(self) -> str:
         return (
             f"aborting the {self.reason} generation {self.request_id} on {self.model} "
-            f"(runner holds {format_size(self.bytes)}{_on(self.pool)}): "
+            f"(runner holds {_held(self.bytes, self.pool, self.pool_bytes)}): "
             f"{_over(self.usage, self.hard, 'hard')}"
         )
 
@@ -197,11 +203,12 @@ class CloseAdmission:
     retry_after: float
     usage: int
     hard: int
+    pool: str = "host"  # the pool whose numbers these are
 
     def message(self) -> str:
         return (
             f"refusing new requests (503, Retry-After {self.retry_after:g} s): "
-            f"{_over(self.usage, self.hard, 'hard')}"
+            f"{_over(self.usage, self.hard, 'hard')}{_on(self.pool)}"
         )
 
 
@@ -228,6 +235,13 @@ def _over(usage: int, threshold: int, name: str) -> str:
 
 def _on(pool: str) -> str:
     return "" if pool == "host" else f" on {pool}"
+
+
+def _held(host: int, pool: str, pool_bytes: int) -> str:
+    """A model's bytes: host RAM, and on a GPU pool what it holds there as well."""
+    if pool == "host":
+        return format_size(host)
+    return f"{format_size(pool_bytes)} on {pool}, {format_size(host)} host RAM"
 
 
 def _under(usage: int, threshold: int, name: str) -> str:
@@ -263,14 +277,18 @@ def plan(
     hard = level >= Pressure.HARD
     # The gates follow the highest pool; their numbers are that pool's.
     top = max(gpus, key=lambda g: g.level, default=None)
-    overall, gate_reading, gate_why = level, reading, why
+    overall, gate_reading, gate_why, gate_pool = level, reading, why, "host"
     if top is not None and top.level > level:
-        overall, gate_reading, gate_why = top.level, top.reading, None
+        overall, gate_reading, gate_why, gate_pool = top.level, top.reading, None, top.name
 
     if overall >= Pressure.SOFT and not gate.loads_paused:
-        actions.append(PauseLoads(overall, gate_reading.usage, gate_reading.soft, gate_why))
+        actions.append(
+            PauseLoads(overall, gate_reading.usage, gate_reading.soft, gate_why, gate_pool)
+        )
     if overall >= Pressure.HARD and gate.admission_open:
-        actions.append(CloseAdmission(retry_after, gate_reading.usage, gate_reading.hard))
+        actions.append(
+            CloseAdmission(retry_after, gate_reading.usage, gate_reading.hard, gate_pool)
+        )
     # Admission re-opens only under soft (not merely under hard): a server that flaps
     # between refusing and admitting would push usage straight back up.
     if overall == Pressure.NORMAL:
@@ -362,13 +380,17 @@ def _gpu_rungs(
             pending = any(i.aborting for i in inflight)
             found = None if pending else _abort(here, gate.aborts, g.reading, freed)
             if found is not None:
-                abort = replace(found, pool=g.name, bytes=host_bytes[found.model])
+                abort = replace(
+                    found, pool=g.name, bytes=host_bytes[found.model], pool_bytes=found.bytes
+                )
                 evict = _evict(found, on_gpu, g.reading, freed)
                 if evict is not None:
                     picked.append(evict)
         for u in picked:
             if all(u.model != x.model for x in unloads):
-                unloads.append(replace(u, bytes=host_bytes[u.model], pool=g.name))
+                unloads.append(
+                    replace(u, bytes=host_bytes[u.model], pool=g.name, pool_bytes=u.bytes)
+                )
     return unloads, abort
 
 

@@ -145,7 +145,9 @@ def measure_path(
         "busy": busy,
         "heavy": heavy,
     }
-    with tempfile.TemporaryFile("w+") as log:  # llama.cpp's log: a file, never a full pipe
+    # The engine's log goes to a file (never a full pipe); a random-weight model's output
+    # in it may be broken UTF-8.
+    with tempfile.TemporaryFile("w+", errors="replace") as log:
         proc = subprocess.Popen(
             [sys.executable, "-c", _CHILD, json.dumps(job)],
             stdin=subprocess.PIPE,
@@ -263,6 +265,7 @@ else:
     import importlib, tempfile, wave
     import numpy as np
     from elbowroom.engines.base import create_engine
+    from elbowroom.engines.options import EngineOptions
     libs = {"whisper": ["faster_whisper", "av"], "pocketsphinx": ["pocketsphinx", "av"],
             "piper": ["piper", "onnxruntime"], "onnx-embed": ["onnxruntime", "tokenizers"]}
     for name in libs.get(engine, []):
@@ -272,7 +275,7 @@ else:
     spec = ModelSpec(id="calibration", kind=ModelKind.ASR, engine=engine, path=Path(path),
                      size_bytes=0, holding=Holding.RESIDENT, source="calibrate", options=opts)
     eng = create_engine(engine)
-    eng.load(spec, {"threads": THREADS, **opts})
+    eng.load(spec, EngineOptions(threads=THREADS))  # the spec carries the engine's files
     stage("loaded")
     def tone(seconds, scale):
         t = np.arange(16000 * seconds) / 16000

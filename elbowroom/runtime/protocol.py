@@ -1,8 +1,11 @@
 """The contract between the scheduler and a model's runner (the supervisor side).
 
-Wire messages on the pipe between supervisor (parent) and worker (child) are plain dicts:
+The runner's process is started with the spec and the options of its engine's kind
+(engines/options.py). Wire messages on the pipe between supervisor (parent) and worker
+(child) are dicts; a request's payload is typed (engines/requests.py: a ``TextRequest``
+for chat and completion, a dict for the other engines):
 
-parent -> child: {"op": "run", "id": int, "kind": str, "payload": dict}
+parent -> child: {"op": "run", "id": int, "kind": str, "payload": Payload}
                  {"op": "cancel", "id": int}
                  {"op": "stats"}          -> child answers {"event": "stats", "data": dict}
                  {"op": "pressure", "level": int}   (0 normal, 1 soft, 2 hard)
@@ -22,6 +25,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from elbowroom.engines.options import EngineOptions
+from elbowroom.engines.requests import Payload
 from elbowroom.memory.types import ProcessMemory
 from elbowroom.models.spec import ModelSpec
 
@@ -59,12 +64,12 @@ class Runner(Protocol):
         """After a crash: 'exit code 1', 'killed by signal SIGKILL', ..."""
         ...
 
-    async def start(self, options: dict[str, Any]) -> ReadyInfo:
+    async def start(self, options: EngineOptions) -> ReadyInfo:
         """Spawn the worker and wait for its ready handshake (load_timeout). Raises the
         worker's load error (e.g. InsufficientMemory, EngineError) or RunnerCrashed."""
         ...
 
-    def request(self, kind: str, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    def request(self, kind: str, payload: Payload) -> AsyncIterator[dict[str, Any]]:
         """Send one request. Yields each "delta" event's data; the final item is
         {"type": "done", **result}. Raises the ElbowroomError carried by an error event,
         or RunnerCrashed (naming exit code/signal) at once if the process dies.

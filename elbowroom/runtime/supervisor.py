@@ -23,12 +23,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 from elbowroom.config import Settings
+from elbowroom.engines.options import EngineOptions
+from elbowroom.engines.requests import Payload
 from elbowroom.errors import ElbowroomError, RunnerCrashed, Unavailable
 from elbowroom.memory.process import measure_tree
 from elbowroom.memory.types import ZERO_PROCESS_MEMORY, ProcessMemory
@@ -41,14 +43,14 @@ log = logging.getLogger(__name__)
 STATS_TIMEOUT = 5.0
 
 # (child end of the pipe, spec, options) -> a started process. Tests inject their own.
-Spawn = Callable[[Connection, ModelSpec, dict[str, Any]], BaseProcess]
-WorkerTarget = Callable[[Connection, ModelSpec, dict[str, Any]], None]
+Spawn = Callable[[Connection, ModelSpec, EngineOptions], BaseProcess]
+WorkerTarget = Callable[[Connection, ModelSpec, EngineOptions], None]
 
 
 def spawn_worker(
     conn: Connection,
     spec: ModelSpec,
-    options: dict[str, Any],
+    options: EngineOptions,
     *,
     target: WorkerTarget = worker_main,
 ) -> BaseProcess:
@@ -148,7 +150,7 @@ class Supervisor:
 
     # ---- lifecycle ---------------------------------------------------------------------
 
-    async def start(self, options: dict[str, Any]) -> ReadyInfo:
+    async def start(self, options: EngineOptions) -> ReadyInfo:
         if self._state is not RunnerState.NEW:
             raise RuntimeError(f"runner for {self.spec.id} was already started")
         self._loop = asyncio.get_running_loop()
@@ -157,7 +159,9 @@ class Supervisor:
         began = self._clock()
         parent, child = multiprocessing.Pipe(duplex=True)
         try:
-            proc = self._spawn(child, self.spec, {"log_level": self._settings.log_level, **options})
+            # The runner logs at this machine's level (a node's runner: the node's settings).
+            options = replace(options, log_level=self._settings.log_level)
+            proc = self._spawn(child, self.spec, options)
         except BaseException:
             parent.close()
             self._state = RunnerState.STOPPED
@@ -255,7 +259,7 @@ class Supervisor:
 
     # ---- requests ----------------------------------------------------------------------
 
-    async def request(self, kind: str, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def request(self, kind: str, payload: Payload) -> AsyncIterator[dict[str, Any]]:
         if self._state is not RunnerState.READY:
             raise self._not_ready()
         rid = next(self._ids)

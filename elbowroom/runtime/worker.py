@@ -7,8 +7,10 @@ loading that it serves several at once (``max_concurrent`` > 1, the LLM engine's
 then each request gets a thread of a pool that size, and the engine batches them.
 Wire messages are described in runtime/protocol.py.
 
-The engine sees the current pressure level through ``options["pressure"]``: a callable
-returning 0 (normal), 1 (soft) or 2 (hard), updated by the parent's ``pressure`` op.
+The engine is loaded with the options of its kind (engines/options.py), as the scheduler
+built them. It reads the current pressure level through the callable it was made with
+(``create_engine(name, pressure)``): 0 (normal), 1 (soft) or 2 (hard), updated by the
+parent's ``pressure`` op.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from elbowroom.engines.base import Engine, create_engine
+from elbowroom.engines.options import EngineOptions
+from elbowroom.engines.requests import Payload
 from elbowroom.errors import ElbowroomError, EngineError
 from elbowroom.models.spec import ModelSpec
 
@@ -37,7 +41,17 @@ _STOP = object()
 MAX_BATCH = 256  # messages in one pipe write at most
 
 
-def worker_main(conn: Connection, spec: ModelSpec, options: dict[str, Any]) -> None:
+class PressureLevel:
+    """The runner's current memory pressure level, as the parent last sent it."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def __call__(self) -> int:
+        return self.value
+
+
+def worker_main(conn: Connection, spec: ModelSpec, options: EngineOptions) -> None:
     """Entry point of the runner process (multiprocessing spawn target)."""
     # Ctrl-C in a terminal reaches the whole process group: the server decides how runners
     # stop, so the runner must not die on it on its own.
@@ -49,15 +63,16 @@ def worker_main(conn: Connection, spec: ModelSpec, options: dict[str, Any]) -> N
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")
     logging.basicConfig(
         stream=sys.stderr,
-        level=str(options.get("log_level", "info")).upper(),
+        level=options.log_level.upper(),
         format=f"%(asctime)s runner[{spec.id}:{os.getpid()}] %(levelname)s %(message)s",
     )
+    level = PressureLevel()
     try:
-        engine = create_engine(spec.engine)
+        engine = create_engine(spec.engine, level)
     except Exception as exc:
         _send_quietly(conn, {"event": "load_failed", "error": _wire(exc)})
         sys.exit(1)
-    code = serve(conn, spec, options, engine)
+    code = serve(conn, spec, options, engine, level)
     # The engine is closed and every message sent: skip the interpreter's teardown (module
     # finalizers, freeing every object one by one: ~0.2 s after an LLM), which is time a
     # swap waits before the next model may load. The atexit hooks still run (well under a
@@ -71,13 +86,20 @@ def worker_main(conn: Connection, spec: ModelSpec, options: dict[str, Any]) -> N
     os._exit(code)
 
 
-def serve(conn: Connection, spec: ModelSpec, options: dict[str, Any], engine: Engine) -> int:
-    """Load ``engine`` and serve until stop or the parent goes away; return the exit code."""
-    return _Worker(conn, engine).serve(spec, options)
+def serve(
+    conn: Connection,
+    spec: ModelSpec,
+    options: EngineOptions,
+    engine: Engine,
+    level: PressureLevel | None = None,
+) -> int:
+    """Load ``engine`` and serve until stop or the parent goes away; return the exit code.
+    ``level`` is what the engine reads the pressure level from."""
+    return _Worker(conn, engine, level or PressureLevel()).serve(spec, options)
 
 
 class _Worker:
-    def __init__(self, conn: Connection, engine: Engine) -> None:
+    def __init__(self, conn: Connection, engine: Engine, level: PressureLevel) -> None:
         self.conn = conn
         self.engine = engine
         self.work: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -87,13 +109,10 @@ class _Worker:
         # that pile up while the pipe is busy (several slots streaming at once) leave as one
         # batch, one pickle and one wake-up of the parent, instead of one per token.
         self.outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.level = 0
+        self.level = level
         self.loaded = threading.Event()
 
-    def pressure(self) -> int:
-        return self.level
-
-    def serve(self, spec: ModelSpec, options: dict[str, Any]) -> int:
+    def serve(self, spec: ModelSpec, options: EngineOptions) -> int:
         sender = threading.Thread(target=self._send_loop, name="runner-sender", daemon=True)
         sender.start()
         try:
@@ -102,11 +121,11 @@ class _Worker:
             self.outbox.put(_STOP)  # after everything queued before it
             sender.join(timeout=10.0)
 
-    def _serve(self, spec: ModelSpec, options: dict[str, Any]) -> int:
+    def _serve(self, spec: ModelSpec, options: EngineOptions) -> int:
         reader = threading.Thread(target=self._read, name="runner-reader", daemon=True)
         reader.start()
         try:
-            facts = self.engine.load(spec, {**options, "pressure": self.pressure})
+            facts = self.engine.load(spec, options)
         except Exception as exc:
             if not isinstance(exc, ElbowroomError):
                 log.exception("load failed")
@@ -155,7 +174,7 @@ class _Worker:
             if pool is not None:
                 pool.shutdown(wait=True)  # requests see their cancel flags set by _shutdown
 
-    def _run(self, rid: int, kind: str, payload: dict[str, Any]) -> None:
+    def _run(self, rid: int, kind: str, payload: Payload) -> None:
         with self.flags_lock:
             flag = self.cancel_flags.get(rid)
         if flag is None or flag.is_set():  # cancelled before it started: nobody waits
@@ -196,11 +215,12 @@ class _Worker:
                 if flag is not None:
                     flag.set()
             elif op == "pressure":
-                previous, self.level = self.level, int(msg["level"])
+                previous, self.level.value = self.level.value, int(msg["level"])
                 relieve = getattr(self.engine, "relieve", None)
-                if relieve is not None and self.level > previous and self.loaded.is_set():
+                if relieve is not None and self.level.value > previous and self.loaded.is_set():
                     # Off the reader thread: saving state takes disk time.
-                    threading.Thread(target=relieve, args=(self.level,), daemon=True).start()
+                    args = (self.level.value,)
+                    threading.Thread(target=relieve, args=args, daemon=True).start()
             elif op == "stats":
                 self._send({"event": "stats", "data": self._stats()})
             elif op == "stop":

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from elbowroom.config import Settings
-from elbowroom.errors import RunnerCrashed
+from elbowroom.errors import RunnerCrashed, Unavailable
 from elbowroom.memory.heap import trim
 from elbowroom.memory.monitor import Monitor
 from elbowroom.memory.types import Probe
@@ -35,9 +35,10 @@ from elbowroom.scheduler import policy, report
 from elbowroom.scheduler.events import EventLog
 from elbowroom.scheduler.inputs import Estimator, Measurements, ModelCatalog, default_estimator
 from elbowroom.scheduler.lanes import Lanes
-from elbowroom.scheduler.records import InFlightRequest, Phase
+from elbowroom.scheduler.records import InFlightRequest, Lane, Loaded, Phase
 from elbowroom.scheduler.residency import Residency, no_server_bytes
 from elbowroom.scheduler.settle import Sleep
+from elbowroom.scheduler.sizing import Plan
 
 log = logging.getLogger("elbowroom.scheduler")
 
@@ -159,28 +160,57 @@ class Scheduler:
                 rec = await self.residency.ensure_loaded(spec, lane)
                 lane.claims -= 1
                 claimed = False
-                rec.busy += 1
-                started = self._clock()
-                ticket = InFlightRequest(
-                    f"{spec.id}#{next(self._request_ids)}", spec.id, spec.kind, started
-                )
-                self._inflight[ticket.request_id] = ticket
-                crashed = True  # until the body returns or raises something else
-                try:
-                    yield rec.runner
-                    crashed = False
-                except RunnerCrashed:
-                    raise
-                except BaseException:
-                    crashed = False
-                    raise
-                finally:
-                    rec.busy -= 1
-                    del self._inflight[ticket.request_id]
-                    self.residency.release(rec, lane, keep_alive, started, crashed)
+                async with self._serving(rec, lane, keep_alive) as runner:
+                    yield runner
             finally:
                 if claimed:
                     lane.claims -= 1
+
+    @contextlib.asynccontextmanager
+    async def hold(
+        self, model_id: str, *, keep_alive: float | None = None
+    ) -> AsyncIterator[Runner]:
+        """Run one request on ``model_id``'s runner when it is loaded, never loading it
+        (503 otherwise): a node's share of a model split over a cluster is loaded only with
+        its split's plan (``host``), so a request that finds it gone must not start a share
+        nobody uses. Busy, in flight, last used and keep-alive are kept as by ``use``."""
+        spec = self._catalog.get(model_id)
+        async with self.lanes.slot(spec.id) as lane:
+            rec = self.residency.loaded.get(spec.id)
+            if rec is None or rec.phase is not Phase.READY:
+                raise Unavailable(
+                    f"{spec.id} is not loaded on this node (it is being unloaded); retry",
+                    retry_after=1.0,
+                )
+            async with self._serving(rec, lane, keep_alive) as runner:
+                yield runner
+
+    @contextlib.asynccontextmanager
+    async def _serving(
+        self, rec: Loaded, lane: Lane, keep_alive: float | None
+    ) -> AsyncIterator[Runner]:
+        """One request on the loaded ``rec``: busy and in flight while it runs, then
+        released (last used, keep-alive, crash streak)."""
+        spec = rec.spec
+        rec.busy += 1
+        started = self._clock()
+        ticket = InFlightRequest(
+            f"{spec.id}#{next(self._request_ids)}", spec.id, spec.kind, started
+        )
+        self._inflight[ticket.request_id] = ticket
+        crashed = True  # until the body returns or raises something else
+        try:
+            yield rec.runner
+            crashed = False
+        except RunnerCrashed:
+            raise
+        except BaseException:
+            crashed = False
+            raise
+        finally:
+            rec.busy -= 1
+            del self._inflight[ticket.request_id]
+            self.residency.release(rec, lane, keep_alive, started, crashed)
 
     # ------------------------------------------------------------------ admin API
 
@@ -199,6 +229,16 @@ class Scheduler:
         if rec.busy == 0:
             rec.expires_at = res.expiry(rec, res.default_keep_alive(spec), self._clock())
         return report.describe(rec, self.lanes.get(spec.id), self._clock())
+
+    async def host(self, model_id: str, plan: Plan, *, pin: bool | None = None) -> dict[str, Any]:
+        """Load ``model_id`` with a plan made elsewhere: a node's share of a model split over
+        a cluster (elbowroom.cluster.share), whose bytes the cluster's split plan predicts.
+        The same budget as any load: its predicted bytes are reserved while it starts, idle
+        models are evicted by the same order to make room, a share that cannot fit is a 507;
+        once started it is measured, listed, unloaded and aborted like any model. It is
+        never recorded in the measured store (it is not a whole model)."""
+        self.residency.planned[model_id] = plan
+        return await self.load(model_id, pin=pin)
 
     async def unload(self, model_id: str, *, reason: str = "explicit") -> dict[str, Any]:
         """Unload ``model_id`` now, or as soon as its requests in flight finish.

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from elbowroom.engines.options import Offload
 from elbowroom.memory.pools import gpu_pool_name
 from elbowroom.models.estimate import CTX_STEP
 from elbowroom.models.offload import Layout, OffloadBytes, split_bytes
@@ -65,20 +66,15 @@ class Placement:
             return "100% CPU"
         return f"{100 - gpu}%/{gpu}% CPU/GPU"
 
-    def engine_options(self) -> dict[str, object]:
+    def offload(self) -> Offload:
         """What the LLM engine is loaded with: llama.cpp's n_gpu_layers, the devices (by
         index; only these get a CUDA context) and the split between them."""
         if self.mode == "cpu":
-            return {"n_gpu_layers": 0, "gpu_devices": []}
+            return Offload(0, devices=())
         if not self.devices:  # unified memory (Metal): one device, no VRAM pool
-            return {"n_gpu_layers": self.n_gpu_layers}
-        opts: dict[str, object] = {
-            "n_gpu_layers": self.n_gpu_layers,
-            "gpu_devices": list(self.devices),
-        }
-        if len(self.devices) > 1:
-            opts["tensor_split"] = [float(c) for c in self.counts]
-        return opts
+            return Offload(self.n_gpu_layers)
+        split = tuple(float(c) for c in self.counts) if len(self.devices) > 1 else None
+        return Offload(self.n_gpu_layers, devices=self.devices, tensor_split=split)
 
     def to_dict(self) -> dict[str, object]:
         return {

@@ -87,6 +87,9 @@ class Residency:
         )
         self.loaded: dict[str, Loaded] = {}
         self.pins: set[str] = set(settings.pin)
+        # Loads planned elsewhere (``Scheduler.host``: a cluster node's share of a split
+        # model): sized by their plan, not by the estimate, and never recorded as measured.
+        self.planned: dict[str, Plan] = {}
         self.loads_paused = False  # set by the pressure guard (Scheduler.pause_loads)
         self._load_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -214,6 +217,9 @@ class Residency:
         plan and the policy's decision, with nothing acted on."""
         sample = self.observe()
         state = self.state()
+        planned = self.planned.get(spec.id)
+        if planned is not None:
+            return sample, state, planned, policy.decide(state, planned.request)
         plan, decision = plan_and_decide(
             spec,
             self.settings,
@@ -254,7 +260,7 @@ class Residency:
         )
         self.loaded[spec.id] = rec  # its predicted bytes are now a reservation
         try:
-            info = await runner.start(start_options(self.settings, plan))
+            info = await runner.start(start_options(self.settings, spec, plan))
         except BaseException as exc:
             self.forget(rec)
             self.counters["load_failures"] += 1
@@ -275,7 +281,7 @@ class Residency:
         if lane.crash_streak > 0:
             lane.restarts += 1
             self.counters["restarts"] += 1
-        if self._measured is not None:
+        if self._measured is not None and spec.id not in self.planned:
             self._measured.record(spec, plan.n_ctx, plan.slots, plan.kv_type, info.measured)
         self.events.add(
             "load",
@@ -352,6 +358,8 @@ class Residency:
         An LLM is not recorded here: what it grew into is its prompt cache, a grant, not its
         own footprint (recorded at load; docs/models.md)."""
         if self._measured is None or rec.ready is None or rec.spec.gguf is not None:
+            return
+        if rec.spec.id in self.planned:
             return
         mem = rec.measure()
         if mem is not None and mem.resident > 0:

@@ -8,9 +8,9 @@ the policy about, after ``offload_plan`` placed it on the GPUs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from elbowroom.config import Settings
+from elbowroom.engines.options import EngineOptions, LlamaOptions, Offload
 from elbowroom.models.estimate import prompt_cache_grant
 from elbowroom.models.spec import Footprint, ModelSpec
 from elbowroom.scheduler.inputs import Estimator, Measurements
@@ -93,21 +93,21 @@ def plan_load(
     return Plan(request, fp, n_ctx, kv_type, slots, cache_grant=grant, ctx_source=source)
 
 
-def start_options(settings: Settings, plan: Plan) -> dict[str, Any]:
-    """What the runner's engine is loaded with."""
-    return {
-        "n_ctx": plan.n_ctx,
-        "kv_type": plan.kv_type,
-        "slots": plan.slots,
-        "threads": settings.threads,
-        "mlock": settings.mlock,
-        "max_tokens_cap": settings.max_tokens_cap,
+def start_options(settings: Settings, spec: ModelSpec, plan: Plan) -> EngineOptions:
+    """What the runner's engine is loaded with: the options of its kind."""
+    if spec.engine != "llama":
+        return EngineOptions(threads=settings.threads)
+    return LlamaOptions(
+        threads=settings.threads,
+        n_ctx=plan.n_ctx,
+        kv_type=plan.kv_type,
+        slots=plan.slots,
+        mlock=settings.mlock,
         # The engine's RAM prompt cache: a grant from the budget, never the engine's default.
-        "cache_ram_bytes": plan.cache_grant,
-        "kv_cache": settings.kv_cache,
-        "kv_cache_dir": str(settings.kv_cache_path),
-        "kv_disk_max": settings.kv_disk_max,
-        "kv_block_tokens": settings.kv_block_tokens,
-        # n_gpu_layers, gpu_devices, tensor_split (scheduler/placement.py)
-        **(plan.placement.engine_options() if plan.placement is not None else {}),
-    }
+        cache_ram_bytes=plan.cache_grant,
+        kv_cache=settings.kv_cache,
+        kv_cache_dir=str(settings.kv_cache_path),
+        kv_disk_max=settings.kv_disk_max,
+        kv_block_tokens=settings.kv_block_tokens,
+        offload=plan.placement.offload() if plan.placement is not None else Offload(),
+    )

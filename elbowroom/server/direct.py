@@ -6,9 +6,9 @@ event. On a small machine that work competes with the engine's own threads for t
 cores, once per token. A streamed chat or completion that needs no rewriting on the way
 (no emulated tools, no transcript fallback, no logprobs) instead goes like this:
 
-1. The runner prepares it (``open``: slot choice, KV disk-tier restore, the engine request
-   with elbowroom's defaults and caps) and answers with the engine's private Unix socket,
-   its key and the request: the runner's pressure check and validation ran as usual.
+1. The runner prepares it (``open`` with the route's ``TextRequest``: slot choice, KV
+   disk-tier restore, llama.cpp's request) and answers with the engine's private Unix
+   socket, its key and that request: the runner's pressure check ran as usual.
 2. The server sends that request to the engine's socket itself and relays the engine's
    OpenAI-shaped SSE events to the client nearly byte for byte: the ``model`` field gets
    elbowroom's id, the usage event gets ``cached_tokens`` rounded down to whole cache
@@ -37,6 +37,7 @@ from typing import Any, Protocol, runtime_checkable
 import anyio
 
 from elbowroom.engines.llama import translate_error
+from elbowroom.engines.requests import DirectClose, Payload, TextRequest
 from elbowroom.errors import ElbowroomError, EngineError, MemoryPressure, RunnerCrashed
 from elbowroom.memory.types import Pressure
 from elbowroom.server.errors import public_error
@@ -59,7 +60,7 @@ class DirectRunner(Protocol):
 
     direct_streams: bool
 
-    def request(self, kind: str, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]: ...
+    def request(self, kind: str, payload: Payload) -> AsyncIterator[dict[str, Any]]: ...
 
     def watch_pressure(self, watcher: Callable[[int], None]) -> Callable[[], None]: ...
 
@@ -67,13 +68,7 @@ class DirectRunner(Protocol):
 
 
 async def open_direct(
-    runner: Any,
-    stack: AsyncExitStack,
-    model: str,
-    kind: str,
-    payload: dict[str, Any],
-    include_usage: bool,
-    stream: bool = True,
+    runner: Any, stack: AsyncExitStack, model: str, request: TextRequest, include_usage: bool
 ) -> DirectStream | None:
     """The client's SSE body read straight from the engine, or None when this runner or
     this request needs the runner's own path. ``stack`` holds the scheduler's claim on the
@@ -81,12 +76,12 @@ async def open_direct(
     caller)."""
     if not isinstance(runner, DirectRunner) or not runner.direct_streams:
         return None
-    ticket = await answer(runner, "open", {"kind": kind, "request": payload, "stream": stream})
+    ticket = await answer(runner, "open", request)
     if not ticket.get("direct"):
         return None
     direct = DirectStream(runner, model, ticket, include_usage, stack)
     stack.push_async_callback(direct.close_ticket)
-    await direct.connect(stream)
+    await direct.connect(request.stream)
     stack.callback(direct.disconnect)
     stack.callback(runner.watch_pressure(direct.on_pressure))
     return direct
@@ -223,11 +218,7 @@ class DirectStream:
         """Give the slot back (and the prefill timing to the cache's cost model)."""
         with anyio.CancelScope(shield=True):
             try:
-                await answer(
-                    self.runner,
-                    "close",
-                    {"ticket": self.ticket["ticket"], "timings": self.timings},
-                )
+                await answer(self.runner, "close", DirectClose(self.ticket["ticket"], self.timings))
             except ElbowroomError as exc:  # the runner is gone: its slots went with it
                 log.debug("closing direct stream %s: %s", self.ticket.get("ticket"), exc)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
 
+from elbowroom.engines.requests import Payload
 from elbowroom.errors import BadRequest, ElbowroomError, ModelNotFound
 from elbowroom.models.spec import ModelKind, ModelSpec
 from elbowroom.server.deps import CatalogService, SchedulerService
@@ -81,10 +82,10 @@ async def run_once(
 class Requester(Protocol):
     """What ``answer`` needs of a runner (runtime.protocol.Runner has it)."""
 
-    def request(self, kind: str, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]: ...
+    def request(self, kind: str, payload: Payload) -> AsyncIterator[dict[str, Any]]: ...
 
 
-async def answer(runner: Requester, op: str, payload: dict[str, Any]) -> dict[str, Any]:
+async def answer(runner: Requester, op: str, payload: Payload) -> dict[str, Any]:
     """``op`` on a held runner, to its final result (deltas are passed over)."""
     events = runner.request(op, payload)
     try:

@@ -1,10 +1,11 @@
 """Ollama's API under /api: tags, ps, show, version, chat, generate, embed, embeddings.
 
 Text requests are translated into OpenAI request fields (``ollama_shapes``), validated by
-the OpenAI routes' own schemas and run through the same ``open_generation`` path, so the
-scheduler, the memory guard and the engine see one kind of request whichever API it came
-from. Every error on these routes has Ollama's shape, ``{"error": "..."}``, with the status
-elbowroom uses everywhere (a 507 keeps its numbers as extra fields).
+the OpenAI routes' own schemas and made into the engine's ``TextRequest`` by the same
+``text_calls.engine_request``, so the scheduler, the memory guard and the engine see one
+kind of request whichever API it came from. Every error on these routes has Ollama's
+shape, ``{"error": "..."}``, with the status elbowroom uses everywhere (a 507 keeps its
+numbers as extra fields).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from elbowroom.server.metrics import record_tokens
 from elbowroom.server.model_calls import run_once
 from elbowroom.server.ollama_reply import NdjsonStream, Reply, Timing, stream_reply
 from elbowroom.server.schemas import ChatCompletionRequest, CompletionRequest
-from elbowroom.server.sse import ClientGone, gone_response, open_generation, unless_client_leaves
+from elbowroom.server.sse import gone_response, open_generation
+from elbowroom.server.text_calls import engine_request, whole_answer
 
 log = logging.getLogger("elbowroom.server")
 
@@ -264,38 +266,25 @@ async def _text(
 ) -> Response:
     openai["model"] = spec.id
     validated = _validated(kind, openai)
+    messages = None
     if isinstance(validated, ChatCompletionRequest):
         await check_chat_images(services, validated)  # vision: before any load or engine work
+        messages = _engine_messages(validated, openai["messages"])
     _, num_ctx = shapes.options_to_openai(body.options)
     await _check_num_ctx(services, spec, num_ctx)
-    settings = services.settings
-    max_tokens, _ = validated.requested_max_tokens()
-    if max_tokens is not None:
-        max_tokens = min(max_tokens, settings.max_tokens_cap)
-    if isinstance(validated, ChatCompletionRequest):
-        inputs: dict[str, Any] = {"messages": _engine_messages(validated, openai["messages"])}
-    else:
-        inputs = {"prompt": validated.prompt_text()}
-    payload = {**openai, **inputs, **validated.sampling(max_tokens)}
-    payload.pop("model", None)
+    text = engine_request(validated, services.settings, messages)
 
     started = time.perf_counter_ns()
     was_loaded = services.scheduler.runner(spec.id) is not None
-    generation = await open_generation(services.scheduler, spec.id, keep_alive, kind, payload)
+    generation = await open_generation(services.scheduler, spec.id, keep_alive, text)
     timing = Timing(started, time.perf_counter_ns(), was_loaded)
     reply = Reply(body.model, chat=isinstance(body, shapes.ChatBody), timing=timing)
     if body.stream:
         return NdjsonStream(stream_reply(generation, reply, spec.id))
-    try:
-        done = await unless_client_leaves(request, reply.collect(generation))
-    except ClientGone:
-        log.info("client went away before its answer: cancelled on %s", spec.id)
-        await generation.release()
+    where = f"a request on {spec.id}"
+    done = await whole_answer(request, reply.collect(generation), generation.release, where)
+    if done is None:
         return gone_response()
-    except BaseException as exc:
-        await generation.release(exc)
-        raise
-    await generation.release()
     record_tokens(spec.id, done.get("usage"))
     return JSONResponse(reply.final(done, include_text=True))
 

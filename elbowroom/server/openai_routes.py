@@ -20,10 +20,9 @@ from elbowroom.server.errors import public_error
 from elbowroom.server.images import check_chat_images
 from elbowroom.server.metrics import record_tokens
 from elbowroom.server.schemas import ChatCompletionRequest, CompletionRequest
-from elbowroom.server.shapes import Envelope, Kind, Logprobs
+from elbowroom.server.shapes import Envelope, Logprobs
 from elbowroom.server.sse import (
     DONE,
-    ClientGone,
     Generation,
     ManagedStream,
     abandon,
@@ -31,8 +30,8 @@ from elbowroom.server.sse import (
     hold_runner,
     sse,
     start_generation,
-    unless_client_leaves,
 )
+from elbowroom.server.text_calls import engine_request, whole_answer
 
 log = logging.getLogger("elbowroom.server")
 
@@ -74,80 +73,50 @@ async def get_model(request: Request, model_id: str) -> dict[str, Any]:
 @router.post("/chat/completions")
 async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
     await check_chat_images(get_services(request), body)  # vision: before any engine work
-    messages = [m.to_engine() for m in body.messages]
-    return await _generate(request, body, "chat", {"messages": messages})
+    return await _generate(request, body)
 
 
 @router.post("/completions")
 async def completions(request: Request, body: CompletionRequest) -> Response:
-    return await _generate(request, body, "completion", {"prompt": body.prompt_text()})
+    return await _generate(request, body)
 
 
-async def _generate(
-    request: Request,
-    body: ChatCompletionRequest | CompletionRequest,
-    kind: Kind,
-    inputs: dict[str, Any],
-) -> Response:
+async def _generate(request: Request, body: ChatCompletionRequest | CompletionRequest) -> Response:
     services = get_services(request)
     settings = services.settings
     spec = _text_model(services.catalog, body.model or settings.default_model)
     _check_for_model(spec, body)
-    max_tokens, param = body.requested_max_tokens()
-    if max_tokens is not None and max_tokens > ABSURD_MAX_TOKENS:
-        raise BadRequest(
-            f"{param}={max_tokens} is absurd: no context holds more than {ABSURD_MAX_TOKENS} "
-            f"tokens; this server generates at most {settings.max_tokens_cap} per request "
-            "(max_tokens_cap)",
-            param=param,
-            code="invalid_value",
-        )
-    if max_tokens is not None:
-        # Clients often ask for far more than they need (16384 is a common default): the
-        # hard cap applies, as the context's room does in the engine; the reply then ends
-        # with finish_reason "length".
-        max_tokens = min(max_tokens, settings.max_tokens_cap)
+    _refuse_absurd(body, settings.max_tokens_cap)
+    text = engine_request(body, settings)
     keep_alive = parse_keep_alive(body.keep_alive)
-    payload = {**inputs, **body.sampling(max_tokens)}
-    envelope = Envelope.new(kind, spec.id, int(time.time()))
+    envelope = Envelope.new(text.kind, spec.id, int(time.time()))
     top = body.top_count()
-    view = Logprobs(kind, top) if top is not None else None
+    view = Logprobs(text.kind, top) if top is not None else None
 
     runner, stack = await hold_runner(services.scheduler, spec.id, keep_alive)
     if settings.direct_streams:
-        stream = bool(body.stream)
         try:
-            direct = await open_direct(
-                runner, stack, spec.id, kind, payload, body.include_usage(), stream
-            )
+            direct = await open_direct(runner, stack, spec.id, text, body.include_usage())
         except BaseException as exc:
             await abandon(stack, exc)
             raise
-        if direct is not None and stream:
+        if direct is not None and text.stream:
             return ManagedStream(direct, release=direct.release)
         if direct is not None:
-            try:
-                answer = await unless_client_leaves(request, direct.answer())
-            except ClientGone:
-                log.info("client went away before its answer: cancelled a request on %s", spec.id)
-                await direct.release()
-                return gone_response()
-            return JSONResponse(answer)
-    generation = await start_generation(runner, stack, kind, payload)
-    if body.stream:
+            answer = await whole_answer(
+                request, direct.answer(), direct.release, f"a request on {spec.id}"
+            )
+            return gone_response() if answer is None else JSONResponse(answer)
+    generation = await start_generation(runner, stack, text)
+    if text.stream:
         return ManagedStream(
             _stream(generation, envelope, body.include_usage(), view), release=generation.release
         )
-    try:
-        done = await unless_client_leaves(request, _collect(generation))
-    except ClientGone:
-        log.info("client went away before its answer: cancelled %s on %s", envelope.id, spec.id)
-        await generation.release()
+    done = await whole_answer(
+        request, _collect(generation), generation.release, f"{envelope.id} on {spec.id}"
+    )
+    if done is None:
         return gone_response()
-    except BaseException as exc:
-        await generation.release(exc)
-        raise
-    await generation.release()
     record_tokens(spec.id, done.get("usage"))
     return JSONResponse(
         envelope.response(
@@ -159,6 +128,19 @@ async def _generate(
             reasoning=done.get("reasoning") or None,
         )
     )
+
+
+def _refuse_absurd(body: ChatCompletionRequest | CompletionRequest, cap: int) -> None:
+    """Above ABSURD_MAX_TOKENS a max_tokens is a client bug, not a wish: a 400 (below it
+    the cap applies, text_calls.engine_request)."""
+    max_tokens, param = body.requested_max_tokens()
+    if max_tokens is not None and max_tokens > ABSURD_MAX_TOKENS:
+        raise BadRequest(
+            f"{param}={max_tokens} is absurd: no context holds more than {ABSURD_MAX_TOKENS} "
+            f"tokens; this server generates at most {cap} per request (max_tokens_cap)",
+            param=param,
+            code="invalid_value",
+        )
 
 
 def _text_model(catalog: Any, model_id: str) -> ModelSpec:

@@ -10,14 +10,19 @@ Every param is one of three kinds, and docs/api.md lists each:
 
 Anything else is a 400 naming the unknown param (``extra="forbid"``): a typo or a param of
 another API is never silently ignored.
+
+This is the one validation of a text request: ``to_engine`` turns a valid body into the
+engine's ``TextRequest`` (engines/requests.py), which the engine translates without
+checking it again.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, TypedDict
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
+from elbowroom.engines.requests import TextRequest
 from elbowroom.server.chat_schemas import (
     STRICT,
     ChatMessage,
@@ -40,6 +45,20 @@ KeepAlive = int | float | str
 SEED_MODULUS = 0xFFFFFFFF
 MAX_TOP_LOGPROBS = 20  # chat (OpenAI's limit)
 MAX_LEGACY_LOGPROBS = 5  # /v1/completions (OpenAI's limit)
+
+
+class _SharedFields(TypedDict):
+    """What both text routes put into a TextRequest (typed, so mypy checks the ``**``)."""
+
+    temperature: float | None
+    top_p: float | None
+    seed: int | None
+    stop: tuple[str, ...]
+    presence_penalty: float | None
+    frequency_penalty: float | None
+    logit_bias: dict[str, float] | None
+    isolated: bool
+    stream: bool
 
 
 class StreamOptions(BaseModel):
@@ -118,19 +137,22 @@ class _Sampling(_Refusing):
         """The token ids ``logit_bias`` names (the route checks them against the vocabulary)."""
         return [int(k) for k in self.logit_bias or {}]
 
-    def sampling(self, max_tokens: int | None) -> dict[str, Any]:
-        """The engine payload's sampling keys (engines/llama.py); None lets the engine
-        choose."""
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """The value and the param that gave it."""
+        return self.max_tokens, "max_tokens"
+
+    def _sampling(self) -> _SharedFields:
+        """The TextRequest fields both routes share; None lets the engine choose."""
         return {
-            "max_tokens": max_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "seed": None if self.seed is None else self.seed % SEED_MODULUS,
-            "stop": self.stop_list(),
+            "stop": tuple(self.stop_list()),
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "logit_bias": self.logit_bias,
-            "cache_salt": self.cache_salt,
+            "isolated": self.cache_salt is not None,
+            "stream": bool(self.stream),
         }
 
 
@@ -239,20 +261,28 @@ class ChatCompletionRequest(_Sampling):
         """Alternatives per token the client asked for; None: no logprobs."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def sampling(self, max_tokens: int | None) -> dict[str, Any]:
-        out = super().sampling(max_tokens)
+    def to_engine(
+        self, max_tokens: int, messages: list[dict[str, Any]] | None = None
+    ) -> TextRequest:
+        """The engine's request (``max_tokens`` already clamped by the caller);
+        ``messages`` replaces the schema's own engine messages (the Ollama route keeps
+        its conversation's tool calls)."""
         choice = self.tool_choice
-        out.update(
+        if messages is None:
+            messages = [m.to_engine() for m in self.messages]
+        return TextRequest(
+            kind="chat",
+            max_tokens=max_tokens,
+            messages=tuple(messages),
             response_format=self.response_format.to_engine() if self.response_format else None,
-            tools=[t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None,
+            tools=tuple(t.model_dump(exclude_none=True) for t in self.tools or ()),
             tool_choice=choice.model_dump() if isinstance(choice, NamedToolChoice) else choice,
             parallel_tool_calls=self.parallel_tool_calls,
-            logprobs=True if self.logprobs else None,
             # The engine sends no logprobs at all for top_logprobs 0: ask for one
             # alternative and drop it in the response (shapes.Logprobs).
-            top_logprobs=max(1, self.top_logprobs or 0) if self.logprobs else None,
+            logprobs=max(1, self.top_logprobs or 0) if self.logprobs else None,
+            **self._sampling(),
         )
-        return out
 
 
 class CompletionRequest(_Sampling):
@@ -297,17 +327,20 @@ class CompletionRequest(_Sampling):
     def prompt_text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
-    def requested_max_tokens(self) -> tuple[int | None, str]:
-        return self.max_tokens, "max_tokens"
-
     def top_count(self) -> int | None:
         return self.logprobs
 
-    def sampling(self, max_tokens: int | None) -> dict[str, Any]:
-        out = super().sampling(max_tokens)
-        # As for chat: ask for at least one alternative, so the engine sends logprobs.
-        out["logprobs"] = None if self.logprobs is None else max(1, self.logprobs)
-        return out
+    def to_engine(
+        self, max_tokens: int, messages: list[dict[str, Any]] | None = None
+    ) -> TextRequest:
+        return TextRequest(
+            kind="completion",
+            max_tokens=max_tokens,
+            prompt=self.prompt_text(),
+            # As for chat: ask for at least one alternative, so the engine sends logprobs.
+            logprobs=None if self.logprobs is None else max(1, self.logprobs),
+            **self._sampling(),
+        )
 
 
 def _show(choice: Any) -> str:

@@ -29,6 +29,7 @@ from starlette.types import Receive, Scope, Send
 from elbowroom.errors import ElbowroomError
 
 if TYPE_CHECKING:
+    from elbowroom.engines.requests import TextRequest
     from elbowroom.runtime.protocol import Runner
     from elbowroom.server.deps import SchedulerService
 
@@ -125,22 +126,18 @@ async def abandon(stack: AsyncExitStack, exc: BaseException) -> None:
 
 
 async def open_generation(
-    scheduler: SchedulerService,
-    model: str,
-    keep_alive: float | None,
-    kind: str,
-    payload: dict[str, Any],
+    scheduler: SchedulerService, model: str, keep_alive: float | None, request: TextRequest
 ) -> Generation:
     runner, stack = await hold_runner(scheduler, model, keep_alive)
-    return await start_generation(runner, stack, kind, payload)
+    return await start_generation(runner, stack, request)
 
 
 async def start_generation(
-    runner: Runner, stack: AsyncExitStack, kind: str, payload: dict[str, Any]
+    runner: Runner, stack: AsyncExitStack, request: TextRequest
 ) -> Generation:
     """Send the request to the held runner and wait for its first event."""
     try:
-        rest = runner.request(kind, payload)
+        rest = runner.request(request.kind, request)
         stack.push_async_callback(_aclose, rest)
         first = await rest.__anext__()
     except StopAsyncIteration:

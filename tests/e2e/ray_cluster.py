@@ -19,10 +19,17 @@ FAST_FAILURE = {
 
 
 @contextmanager
-def local_cluster(head: str, nodes: dict[str, str], *, fast_failure: bool = False) -> Iterator[Any]:
+def local_cluster(
+    head: str,
+    nodes: dict[str, str],
+    *,
+    fast_failure: bool = False,
+    client_port: int | None = None,
+) -> Iterator[Any]:
     """The head and one node per entry of ``nodes`` (name -> the memory size that node's
     elbowroom sees, ``ELBOWROOM_OVERRIDE_MEMORY``), one CPU and a small object store each,
-    connected as the driver; ``cluster.named`` maps the names to Ray's node handles."""
+    connected as the driver; ``cluster.named`` maps the names to Ray's node handles.
+    ``client_port``: the head also runs the Ray Client server there (``ray://``)."""
     import ray
     from ray import cluster_utils
 
@@ -36,6 +43,8 @@ def local_cluster(head: str, nodes: dict[str, str], *, fast_failure: bool = Fals
     head_args: dict[str, Any] = {**node_args, "env_vars": {"ELBOWROOM_OVERRIDE_MEMORY": head}}
     if fast_failure:
         head_args["_system_config"] = FAST_FAILURE
+    if client_port is not None:
+        head_args["ray_client_server_port"] = client_port
     c = cluster_utils.Cluster(initialize_head=True, head_node_args=head_args)
     try:
         c.named = {

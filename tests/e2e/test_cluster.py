@@ -18,12 +18,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
 from ray_cluster import local_cluster
 
 from elbowroom.config import Settings
+from elbowroom.engines.requests import TextRequest
 from elbowroom.errors import InsufficientMemory, RunnerCrashed
 from elbowroom.models.catalog import discover
 
@@ -34,7 +36,9 @@ pytestmark = pytest.mark.slow
 
 MiB = 1024**2
 SMOLLM2 = "smollm2-135m"
-COUNTING = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "temperature": 0}
+COUNTING = TextRequest(
+    kind="completion", prompt="1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", temperature=0, max_tokens=4
+)
 # Each node's size: the head smaller than its own agent process (so it sits at hard
 # pressure, and no model fits there); B the best fit, A the fallback.
 HEAD, NODE_A, NODE_B = "64MiB", "3GiB", "1536MiB"
@@ -71,7 +75,7 @@ async def complete(router: Any, max_tokens: int = 4) -> list[dict[str, Any]]:
     async with router.use(SMOLLM2) as runner:
         return [
             item
-            async for item in runner.request("completion", {**COUNTING, "max_tokens": max_tokens})
+            async for item in runner.request("completion", replace(COUNTING, max_tokens=max_tokens))
         ]
 
 
@@ -173,7 +177,7 @@ def test_a_client_that_leaves_mid_stream_frees_the_remote_slot(cluster: Any) -> 
         router = await cs.build()
         try:
             async with router.use(SMOLLM2) as runner:
-                stream = runner.request("completion", {**COUNTING, "max_tokens": 2000})
+                stream = runner.request("completion", replace(COUNTING, max_tokens=2000))
                 first = await stream.__anext__()
                 assert first.get("type") != "done"
                 stats = await runner.stats()
@@ -302,7 +306,7 @@ def test_node_killed_mid_stream_fails_fast_then_model_is_replaced_and_a_new_node
             got: list[dict[str, Any]] = []
             with pytest.raises(RunnerCrashed) as err:
                 async with router.use(SMOLLM2) as runner:
-                    payload = {**COUNTING, "max_tokens": 400}
+                    payload = replace(COUNTING, max_tokens=400)
                     async for item in runner.request("completion", payload):
                         got.append(item)
                         if len(got) == 1:  # mid-stream: kill the node (raylet and workers)

@@ -18,6 +18,7 @@ import pytest
 from ray_cluster import local_cluster
 
 from elbowroom.config import Settings
+from elbowroom.engines.requests import TextRequest
 from elbowroom.models.catalog import discover
 
 ray = pytest.importorskip("ray")
@@ -67,9 +68,8 @@ def test_six_models_on_three_unequal_nodes_none_overcommitted(cluster: Any) -> N
                 assert node["snapshot"]["available"] > 0, node["name"]
             # Every model answers from its node (one small request each).
             async with router.use("smollm2-135m") as runner:
-                items = [
-                    i async for i in runner.request("completion", {"prompt": "Hi", "max_tokens": 2})
-                ]
+                hi = TextRequest(kind="completion", prompt="Hi", max_tokens=2)
+                items = [i async for i in runner.request("completion", hi)]
             assert items[-1]["type"] == "done"
             async with router.use("minilm-l6-v2") as runner:
                 items = [i async for i in runner.request("embed", {"inputs": ["a cluster"]})]

@@ -1,19 +1,26 @@
 """A model larger than any node, split over a simulated Ray cluster (docs/cluster.md).
 
-Two nodes of 300 MiB and 260 MiB (``ELBOWROOM_OVERRIDE_MEMORY`` per node) and a head too
-small for anything: SmolLM2 with a 512-token context fits on neither node, so the router
-splits it: an rpc-server per node (started by that node's agent on 127.0.0.1) and a
-llama-server runner using both, layers in proportion to the nodes' free memory. Its
-greedy output equals the unsplit model's (same llama.cpp build). An RPC server killed
-takes the split down and the next request splits again; killing a node of the split
-fails the request in flight at once, and with one node left the model is refused with
-both reasons (507).
+Two nodes of 500 MiB and 460 MiB (``ELBOWROOM_OVERRIDE_MEMORY`` per node) and a head too
+small for anything. SmolLM2 with 4 slots of 2,048 tokens (~361 MiB predicted) fits on
+neither node, so the router splits it: each node's share of the layers is a model of that
+node's own scheduler (``<model>~share``: reserved, evicting idle models there, measured,
+in that node's ps, unloadable by that node's guard), an rpc-server per share started by
+that node's agent on 127.0.0.1, and a llama-server engine on the roomier node using both,
+layers in proportion to the nodes' room. Its greedy output equals the unsplit model's
+(same llama.cpp build).
+
+Then: hard memory pressure on one node of the split (that node's real guard, given a
+sample over its hard threshold) aborts the request in flight with an error naming the
+node, and the split is unloaded on every node; an RPC server killed takes the split down
+and the next request splits again; killing a node of the split fails the request in flight
+at once, and with one node left the model is refused with both reasons (507).
 Needs the RPC build (scripts/rpc_engine.sh); skips without it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import time
@@ -26,7 +33,10 @@ from ray_cluster import local_cluster
 
 from elbowroom.config import Settings
 from elbowroom.engines.llama_rpc import default_binary
-from elbowroom.errors import InsufficientMemory, RunnerCrashed
+from elbowroom.engines.options import RpcLlamaOptions
+from elbowroom.engines.requests import TextRequest
+from elbowroom.errors import InsufficientMemory, MemoryPressure, RunnerCrashed
+from elbowroom.memory.types import Pressure
 from elbowroom.models.catalog import discover
 
 ray = pytest.importorskip("ray")
@@ -37,14 +47,20 @@ pytestmark = pytest.mark.slow
 if not (default_binary("rpc-server").is_file() and default_binary("llama-server").is_file()):
     pytest.skip("no RPC build: run scripts/rpc_engine.sh", allow_module_level=True)
 
+MiB = 1024**2
 SMOLLM2 = "smollm2-135m"
-PROMPT = {"prompt": "The capital of France is Paris. The capital of Italy is", "temperature": 0}
-COUNTING = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "temperature": 0}
+SHARE = SMOLLM2 + "~share"
+IDLE = "whisper-tiny.en"  # ~283 MiB predicted: loaded idle on B, in the split's way
+ITALY = "The capital of France is Paris. The capital of Italy is"
+PROMPT = TextRequest(kind="completion", prompt=ITALY, temperature=0, max_tokens=16)
+# Counting never reaches an end of text: still generating when something is done to it.
+COUNTING = dataclasses.replace(PROMPT, prompt="1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", max_tokens=400)
+TOKENS = 8  # compared with the unsplit model's greedy text
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
-    with local_cluster("64MiB", {"a": "300MiB", "b": "260MiB"}, fast_failure=True) as c:
+    with local_cluster("64MiB", {"a": "500MiB", "b": "460MiB"}, fast_failure=True) as c:
         yield c
 
 
@@ -62,61 +78,174 @@ def unsplit_text(max_tokens: int) -> str:
     from elbowroom.engines.llama_rpc import RpcLlamaEngine
 
     engine = RpcLlamaEngine()
-    options = {"n_ctx": 512, "slots": 1, "kv_cache": False, "rpc_servers": [], "rpc_split": []}
-    engine.load(bundled_spec(SMOLLM2), options)
+    engine.load(bundled_spec(SMOLLM2), RpcLlamaOptions(n_ctx=512, slots=1, kv_cache=False))
     try:
         result = engine.run(
-            "completion", {**PROMPT, "max_tokens": max_tokens}, lambda _d: None, lambda: False
+            "completion",
+            dataclasses.replace(PROMPT, max_tokens=max_tokens),
+            lambda _d: None,
+            lambda: False,
         )
     finally:
         engine.close()
     return str(result["text"])
 
 
-def test_split_over_two_nodes_serves_the_unsplit_output_then_fails_fast(cluster: Any) -> None:
+def entry_of(router: Any, c: Any, name: str) -> Any:
+    tail = c.named[name].node_id[:6]
+    return next(e for e in router.live() if e.node.name.endswith(tail))
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def complete(router: Any, body: TextRequest, max_tokens: int) -> list[dict[str, Any]]:
+    request = dataclasses.replace(body, max_tokens=max_tokens)
+    async with router.use(SMOLLM2) as runner:
+        return [i async for i in runner.request("completion", request)]
+
+
+def test_split_shares_are_node_residents_and_hard_pressure_on_one_node_stops_the_split(
+    cluster: Any,
+) -> None:
     from elbowroom.cluster.connect import ClusterServices
 
-    expected = unsplit_text(16)
+    expected = unsplit_text(TOKENS)
 
     async def main() -> None:
         settings = Settings(
             cluster=cluster.address, cluster_poll=0.25, load_timeout=120.0, stop_grace=2.0,
-            slots=1, ctx=512, kv_cache=False, kv_ram_max=0,
+            slots=4, ctx=2048, kv_cache=False, kv_ram_max=0,
         )  # fmt: skip
         cs = ClusterServices(settings, discover(settings), None)
         router = await cs.build()
+        a, b = entry_of(router, cluster, "a"), entry_of(router, cluster, "b")
         try:
-            for e in router.live():  # it fits on no single node
+            # An idle model on B (best fit), then SmolLM2: it fits on no single node.
+            await router.load(IDLE)
+            assert [r["id"] for r in b.scheduler.ps()] == [IDLE]
+            for e in router.live():
                 decision, _ = e.scheduler.preview(SMOLLM2)
                 assert type(decision).__name__ == "Refuse"
-            async with router.use(SMOLLM2) as runner:
-                items = [
-                    i async for i in runner.request("completion", {**PROMPT, "max_tokens": 16})
-                ]
+            items = await complete(router, PROMPT, TOKENS)
             assert items[-1]["text"] == expected
-            (row,) = router.ps()
-            layers = row["split"]
-            a = next(n for n in layers if n.endswith(cluster.named["a"].node_id[:6]))
-            b = next(n for n in layers if n.endswith(cluster.named["b"].node_id[:6]))
-            assert layers[a] + layers[b] == 30 and layers[a] > layers[b] >= 1, layers
+            # B's share made its room by evicting B's idle model (B's byte-based order).
+            evicted = [
+                ev for ev in router.events.recent(600) if ev.kind == "evict" and ev.model == IDLE
+            ]
+            assert evicted and evicted[-1].detail["reason"] == "load"
+            # Each node's share is a resident of that node: in its ps, predicted = the
+            # split plan's bytes for that node, measured after start.
+            (split,) = [r for r in router.ps() if r["id"] == SMOLLM2]
+            layers = split["split"]
+            assert sum(layers.values()) == 30 and layers[a.node.name] > layers[b.node.name] >= 1
+            running = router._splits[SMOLLM2]
+            for e in (a, b):
+                (row,) = e.scheduler.ps()
+                assert row["id"] == SHARE and row["state"] == "ready"
+                assert row["predicted"] == running.plan.need[e.node.name]
+                # Held at the prediction (give or take the idle RPC server's measured
+                # bytes vs. its predicted 6 MiB) until the measurement grows past it.
+                assert row["bytes"] >= row["predicted"] - 2 * MiB
+                assert row["anonymous"] > 0
+            engine = running.engine.measure()
+            home = a.scheduler.ps()[0]
+            assert engine.resident > 0
+            assert home["anonymous"] + home["file_backed"] >= engine.resident
+            print(
+                "split shares predicted vs measured (MiB):",
+                {
+                    e.node.name: (
+                        round(e.scheduler.ps()[0]["predicted"] / MiB, 1),
+                        round(
+                            (e.scheduler.ps()[0]["anonymous"] + e.scheduler.ps()[0]["file_backed"])
+                            / MiB,
+                            1,
+                        ),
+                    )
+                    for e in (a, b)
+                },
+            )
+            rpc_pids = split["rpc_pids"]
+
+            # Hard pressure on B: B's own guard aborts the split's generation (an error
+            # naming B) and unloads B's share once the request has ended; the split goes
+            # down on every node and its memory comes back.
+            latest = b.monitor.latest
+            assert latest is not None
+            # Our bytes over the hard threshold, as if the share had grown past its
+            # prediction: what is available shrinks by as much (others hold the same).
+            grown = latest.limit.hard + 64 * MiB - latest.own_usage
+            snap = latest.snapshot
+            hard = dataclasses.replace(
+                latest,
+                level=Pressure.HARD,
+                own_usage=latest.own_usage + grown,
+                snapshot=dataclasses.replace(snap, available=max(0, snap.available - grown)),
+            )
+            got: list[dict[str, Any]] = []
+            with pytest.raises(MemoryPressure) as err:
+                async with router.use(SMOLLM2) as runner:
+                    async for item in runner.request("completion", COUNTING):
+                        got.append(item)
+                        if len(got) == 1:
+                            actions = await b.guard.apply(hard)
+                            kinds = {type(x).__name__ for x in actions}
+                            assert {"Abort", "Unload"} <= kinds, actions
+            assert b.node.name in err.value.message and err.value.status == 503
+            await wait_for(lambda: router.ps() == [], 30, "the split to be unloaded everywhere")
+            assert a.scheduler.ps() == [] and b.scheduler.ps() == []
+            await wait_for(lambda: not any(alive(p) for p in rpc_pids), 15, "rpc-servers to exit")
+            for e in (a, b):
+                assert e.scheduler.memory_report()["committed"] == 0
+            unloads = [ev for ev in router.events.recent(600) if ev.model == SHARE]
+            assert any(ev.detail.get("reason") == "pressure" for ev in unloads)
+            await wait_for(lambda: b.guard.admission_open(), 30, "B to admit again")
+        finally:
+            await router.close()
+
+    asyncio.run(main())
+
+
+def test_a_split_fails_fast_and_splits_again_when_a_part_dies(cluster: Any) -> None:
+    """Runs last: it removes node B from the module's cluster."""
+    from elbowroom.cluster.connect import ClusterServices
+
+    expected = unsplit_text(TOKENS)
+
+    async def main() -> None:
+        settings = Settings(
+            cluster=cluster.address, cluster_poll=0.25, load_timeout=120.0, stop_grace=2.0,
+            slots=4, ctx=2048, kv_cache=False, kv_ram_max=0,
+        )  # fmt: skip
+        cs = ClusterServices(settings, discover(settings), None)
+        router = await cs.build()
+        a, b = entry_of(router, cluster, "a"), entry_of(router, cluster, "b")
+        try:
             # An RPC server that dies takes the split down; the next request splits again.
+            items = await complete(router, PROMPT, TOKENS)
+            assert items[-1]["text"] == expected
+            (row,) = [r for r in router.ps() if r["id"] == SMOLLM2]
             os.kill(row["rpc_pids"][0], signal.SIGKILL)
             await wait_for(lambda: router.ps() == [], 30, "the split to be taken down")
-            async with router.use(SMOLLM2) as runner:
-                items = [
-                    i async for i in runner.request("completion", {**PROMPT, "max_tokens": 16})
-                ]
+            crash = [ev for ev in router.events.recent(600) if ev.kind == "crash"]
+            assert any(ev.model == SHARE and "SIGKILL" in ev.message for ev in crash)
+            items = await complete(router, PROMPT, TOKENS)
             assert items[-1]["text"] == expected
-            (again,) = router.ps()
-            assert again["rpc_pids"] != row["rpc_pids"] and set(again["split"]) == set(layers)
-            assert sum(again["split"].values()) == 30  # in proportion to the free memory now
+            (again,) = [r for r in router.ps() if r["id"] == SMOLLM2]
+            assert again["rpc_pids"] != row["rpc_pids"]
+            assert set(again["split"]) == {a.node.name, b.node.name}
+
             # Kill node B mid-stream: the request fails at once, naming the cause.
-            got: list[dict[str, Any]] = []
+            got = []
             with pytest.raises(RunnerCrashed):
                 async with router.use(SMOLLM2) as runner:
-                    # Counting never reaches an end of text: still generating when B dies.
-                    payload = {**COUNTING, "max_tokens": 400}
-                    async for item in runner.request("completion", payload):
+                    async for item in runner.request("completion", COUNTING):
                         got.append(item)
                         if len(got) == 1:
                             killed_at = time.monotonic()
@@ -126,11 +255,12 @@ def test_split_over_two_nodes_serves_the_unsplit_output_then_fails_fast(cluster:
             assert failed_in < 15.0
             # One node left: neither placement nor a split fits; both reasons in the 507.
             # (The engine may notice the lost device before Ray reports the node dead.)
-            await wait_for(lambda: b not in {e.node.name for e in router.live()}, 30, "B gone")
-            with pytest.raises(InsufficientMemory) as err:
+            await wait_for(lambda: not b.node.alive, 30, "B gone")
+            await wait_for(lambda: a.scheduler.ps() == [], 30, "A's share unloaded")
+            with pytest.raises(InsufficientMemory) as refused:
                 async with router.use(SMOLLM2):
                     pass
-            assert "split over the nodes does not fit either" in err.value.message
+            assert "split over the nodes does not fit either" in refused.value.message
             assert router.ps() == []
         finally:
             await router.close()

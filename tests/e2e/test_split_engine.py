@@ -3,9 +3,11 @@
 Needs the RPC build (``scripts/rpc_engine.sh``: rpc-server and an RPC-enabled
 llama-server); skips without it. Two RPC servers on 127.0.0.1 stand for two nodes with
 2:1 free memory: the layers follow that ratio (read from the engine's own per-layer
-device assignment), and the split model's greedy output equals the unsplit model's on
-the same llama.cpp build. (elbowroom's usual engine, the PyPI xllamacpp wheel, rounds
-slightly differently: its greedy text for this prompt parts from both after 5 tokens.)
+device assignment), each device's compute buffer is what the split plan predicts for a
+share (cluster/split_plan.share_compute), and the split model's greedy output equals the
+unsplit model's on the same llama.cpp build. (elbowroom's usual engine, the PyPI
+xllamacpp wheel, rounds slightly differently: its greedy text for this prompt parts from
+both after 5 tokens.)
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import subprocess
 import time
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -23,7 +26,10 @@ from bundled_models import bundled_spec
 
 from elbowroom.cluster.rpc import rpc_server_args
 from elbowroom.cluster.split import split_layers
+from elbowroom.cluster.split_plan import share_compute
 from elbowroom.engines.llama_rpc import RpcLlamaEngine, default_binary
+from elbowroom.engines.options import RpcLlamaOptions
+from elbowroom.engines.requests import TextRequest
 
 pytestmark = pytest.mark.slow
 
@@ -35,8 +41,10 @@ if not (RPC_SERVER.is_file() and LLAMA_SERVER.is_file()):
     )
 
 SMOLLM2 = "smollm2-135m"
-PROMPT = {"prompt": "The capital of France is Paris. The capital of Italy is", "temperature": 0}
-OPTIONS = {"n_ctx": 512, "slots": 1, "kv_type": "f16", "cache_ram_bytes": 0, "kv_cache": False}
+MiB = 1024**2
+ITALY = "The capital of France is Paris. The capital of Italy is"
+PROMPT = TextRequest(kind="completion", prompt=ITALY, temperature=0, max_tokens=16)
+OPTIONS = RpcLlamaOptions(n_ctx=512, slots=1, kv_type="f16", cache_ram_bytes=0, kv_cache=False)
 
 
 def free_port() -> int:
@@ -83,7 +91,7 @@ def rpc_servers() -> Iterator[list[str]]:
 def generate(engine: Any, max_tokens: int) -> tuple[str, float]:
     began = time.monotonic()
     result = engine.run(
-        "completion", {**PROMPT, "max_tokens": max_tokens}, lambda _d: None, lambda: False
+        "completion", replace(PROMPT, max_tokens=max_tokens), lambda _d: None, lambda: False
     )
     return result["text"], time.monotonic() - began
 
@@ -99,7 +107,10 @@ def test_split_places_layers_by_free_memory_and_matches_the_unsplit_output(
 
     engine = RpcLlamaEngine()
     facts = engine.load(
-        spec, {**OPTIONS, "rpc_servers": rpc_servers, "rpc_split": counts, "log_level": "debug"}
+        spec,
+        replace(
+            OPTIONS, rpc_servers=tuple(rpc_servers), rpc_split=tuple(counts), log_level="debug"
+        ),
     )
     try:
         assert facts["rpc_split"] == counts and facts["engine"] == "llama-server (RPC)"
@@ -116,10 +127,20 @@ def test_split_places_layers_by_free_memory_and_matches_the_unsplit_output(
     )
     # RPC devices are numbered in --rpc order: RPC0 is the first endpoint.
     assert placed == {f"RPC{i}": n for i, n in enumerate(counts)}, placed
+    # The compute buffer each RPC device reserved, against the split plan's prediction
+    # (cluster/split_plan.share_compute): covered, and by less than 1.5 MiB too much.
+    reported = {
+        ep: float(mib)
+        for ep, mib in re.findall(r"RPC\d+\[([\d.:]+)\] compute buffer size =\s+([\d.]+) MiB", log)
+    }
+    assert set(reported) == set(rpc_servers), reported
+    for i, endpoint in enumerate(rpc_servers):
+        predicted = share_compute(spec.gguf, 512, 1, first=i == 0) / MiB
+        assert reported[endpoint] <= predicted <= reported[endpoint] + 1.5, (i, reported)
 
     # The unsplit model on the same llama.cpp build (no RPC devices, this CPU).
     plain = RpcLlamaEngine()
-    plain.load(spec, {**OPTIONS, "rpc_servers": [], "rpc_split": []})
+    plain.load(spec, OPTIONS)
     try:
         plain_text, _ = generate(plain, 24)
     finally:

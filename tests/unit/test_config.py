@@ -67,3 +67,22 @@ def test_derived_paths(tmp_path: Path) -> None:
     s = Settings(data_dir=tmp_path)
     assert s.models_path == tmp_path / "models"
     assert s.measurements_path == tmp_path / "measured.json"
+
+
+def test_event_loop_choice() -> None:
+    """`event_loop`: auto takes uvloop when it is installed (it is a dependency here),
+    asyncio is the standard loop, and a wrong value is refused by name."""
+    import asyncio
+
+    import uvloop
+
+    from elbowroom.cli.server import loop_factory
+
+    assert load_settings(environ={}).event_loop == "auto"
+    assert loop_factory("auto") is uvloop.new_event_loop
+    assert loop_factory("uvloop") is uvloop.new_event_loop
+    assert loop_factory("asyncio") is None
+    with asyncio.Runner(loop_factory=loop_factory("auto")) as runner:
+        assert isinstance(runner.get_loop(), uvloop.Loop)
+    with pytest.raises(ConfigError, match="event_loop"):
+        load_settings(environ={"ELBOWROOM_EVENT_LOOP": "trio"})

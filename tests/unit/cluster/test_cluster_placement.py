@@ -30,15 +30,19 @@ def option(
     alive: bool = True,
 ) -> NodeOption:
     state = State(models, limit)
+    decision = decide(state, LoadRequest("m", need))
+    used = {m.id: m.last_used for m in models}
+    newest = max(used[i] for i in decision.ids) if isinstance(decision, Evict) else None
     return NodeOption(
         node=f"id-{name}",
         name=name,
-        decision=decide(state, LoadRequest("m", need)),
+        decision=decision,
         needed=need,
         available=state.available,
         limit=limit,
         pressure=pressure,
         alive=alive,
+        evicts_used=newest,
     )
 
 
@@ -61,6 +65,24 @@ def test_eviction_goes_where_it_frees_fewest_bytes() -> None:
     a = option("a", 2 * GiB, (model("x", 2 * GiB),))
     b = option("b", 2 * GiB, (model("y", GiB + GiB // 2), model("z", GiB // 4, used=5)))
     assert isinstance(a.decision, Evict) and isinstance(b.decision, Evict)
+    chosen = choose("m", [a, b])
+    assert isinstance(chosen, NodeOption) and chosen.name == "b"
+
+
+def test_eviction_follows_one_lru_order_across_the_cluster() -> None:
+    """a's idle model was used at t=10, b's at t=50 (b's frees fewer bytes): the least
+    recently used model of the cluster goes, so the load lands on a."""
+    a = option("a", 2 * GiB, (model("old", 2 * GiB, used=10),))
+    b = option("b", 2 * GiB, (model("new", GiB + GiB // 2, used=50),))
+    chosen = choose("m", [b, a])
+    assert isinstance(chosen, NodeOption) and chosen.name == "a"
+    # b must evict two (used at t=20 and t=30, 1.75 GiB), a one (t=40, 1.2 GiB): walking
+    # the cluster's LRU order, b's victims are all taken (at t=30) before a's: b, though
+    # it evicts more bytes
+    b = option("b", 2 * GiB, (model("x", GiB // 4, used=20), model("y", 3 * GiB // 2, used=30)))
+    a = option("a", 2 * GiB, (model("z", 6 * GiB // 5, used=40),))
+    assert isinstance(b.decision, Evict) and b.decision.ids == ("x", "y")
+    assert isinstance(a.decision, Evict) and a.decision.freed < b.decision.freed
     chosen = choose("m", [a, b])
     assert isinstance(chosen, NodeOption) and chosen.name == "b"
 

@@ -11,6 +11,7 @@ import pytest
 from bundled_models import bundled_spec
 
 from elbowroom.engines.embed import MAX_TOKENS, OnnxEmbedEngine, mean_pool, plan_batches
+from elbowroom.engines.options import EngineOptions
 from elbowroom.errors import BadRequest, EngineError
 
 pytest.importorskip("onnxruntime")
@@ -19,7 +20,7 @@ pytest.importorskip("onnxruntime")
 @pytest.fixture(scope="module")
 def engine() -> Any:
     eng = OnnxEmbedEngine()
-    facts = eng.load(bundled_spec("minilm-l6-v2"), {})
+    facts = eng.load(bundled_spec("minilm-l6-v2"), EngineOptions())
     assert facts == {"max_tokens": MAX_TOKENS, "dimensions": 384}
     yield eng
     eng.close()
@@ -96,4 +97,4 @@ def test_mean_pool_ignores_padding() -> None:
 
 def test_missing_tokenizer_is_a_load_error() -> None:
     with pytest.raises(EngineError, match=r"tokenizer\.json"):
-        OnnxEmbedEngine().load(replace(bundled_spec("minilm-l6-v2"), options={}), {})
+        OnnxEmbedEngine().load(replace(bundled_spec("minilm-l6-v2"), options={}), EngineOptions())

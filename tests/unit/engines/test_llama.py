@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import os
+import resource
 import stat
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -17,6 +20,8 @@ from bundled_models import bundled_spec
 from elbowroom.config import Settings
 from elbowroom.engines.llama import FALLBACK_STOPS, LlamaEngine, _fallback_prompt
 from elbowroom.engines.llama_control import _UnixConnection
+from elbowroom.engines.options import LlamaOptions
+from elbowroom.engines.requests import TextRequest
 from elbowroom.errors import BadRequest, ContextOverflow, MemoryPressure
 from elbowroom.models.spec import ModelSpec
 
@@ -24,7 +29,6 @@ pytest.importorskip("xllamacpp")
 
 N_CTX = 512
 SLOTS = 2
-CAP = 64
 
 
 class Pressure:
@@ -44,16 +48,10 @@ def pressure() -> Pressure:
 
 @pytest.fixture(scope="module")
 def engine(pressure: Pressure) -> Iterator[LlamaEngine]:
-    eng = LlamaEngine()
-    options = {
-        "n_ctx": N_CTX,
-        "slots": SLOTS,
-        "max_tokens_cap": CAP,
-        "pressure": pressure,
-        "cache_ram_bytes": 32 << 20,
-        "threads": 2,
-        "kv_block_tokens": 4,
-    }
+    eng = LlamaEngine(pressure)
+    options = LlamaOptions(
+        n_ctx=N_CTX, slots=SLOTS, cache_ram_bytes=32 << 20, threads=2, kv_block_tokens=4
+    )
     facts = eng.load(bundled_spec("smollm2-135m"), options)
     assert facts["n_ctx"] == N_CTX and facts["slots"] == SLOTS
     assert facts["n_ctx_total"] == N_CTX * SLOTS and facts["cache_ram_mib"] == 32
@@ -69,7 +67,7 @@ def normal_pressure(pressure: Pressure) -> None:
 
 
 def run(
-    engine: LlamaEngine, op: str, payload: dict[str, Any], cancel_after: int | None = None
+    engine: LlamaEngine, request: TextRequest, cancel_after: int | None = None
 ) -> tuple[dict[str, Any], list[str]]:
     deltas: list[str] = []
 
@@ -81,19 +79,24 @@ def run(
     def cancelled() -> bool:
         return cancel_after is not None and len(deltas) >= cancel_after
 
-    return engine.run(op, payload, emit, cancelled), deltas
+    return engine.run(request.kind, request, emit, cancelled), deltas
 
 
-def chat(text: str, **kw: Any) -> dict[str, Any]:
-    return {"messages": [{"role": "user", "content": text}], "temperature": 0, **kw}
+def chat(text: str, max_tokens: int, temperature: float = 0.0, **kw: Any) -> TextRequest:
+    messages = ({"role": "user", "content": text},)
+    return TextRequest(
+        kind="chat", messages=messages, max_tokens=max_tokens, temperature=temperature, **kw
+    )
 
 
-COUNTING = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "temperature": 0}
+def counting(max_tokens: int, **kw: Any) -> TextRequest:
+    prompt = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"
+    return TextRequest(kind="completion", prompt=prompt, max_tokens=max_tokens, temperature=0, **kw)
 
 
 @pytest.mark.slow
 def test_chat_streams_text_that_adds_up(engine: LlamaEngine) -> None:
-    result, deltas = run(engine, "chat", chat("Name three colours.", max_tokens=20))
+    result, deltas = run(engine, chat("Name three colours.", max_tokens=20))
     assert len(deltas) > 1
     assert "".join(deltas) == result["text"] and result["text"].strip()
     assert result["usage"]["completion_tokens"] == 20 and result["finish_reason"] == "length"
@@ -102,8 +105,8 @@ def test_chat_streams_text_that_adds_up(engine: LlamaEngine) -> None:
 
 @pytest.mark.slow
 def test_greedy_is_deterministic_and_reuses_the_prefix(engine: LlamaEngine) -> None:
-    first, _ = run(engine, "completion", {**COUNTING, "max_tokens": 10})
-    second, _ = run(engine, "completion", {**COUNTING, "max_tokens": 10})
+    first, _ = run(engine, counting(10))
+    second, _ = run(engine, counting(10))
     assert first["text"] == second["text"]
     assert "11" in first["text"]
     assert second["usage"]["cached_tokens"] > 0  # the engine's prompt cache / slot reuse
@@ -111,21 +114,15 @@ def test_greedy_is_deterministic_and_reuses_the_prefix(engine: LlamaEngine) -> N
 
 @pytest.mark.slow
 def test_stop_string_ends_the_text_before_it(engine: LlamaEngine) -> None:
-    result, _ = run(engine, "completion", {**COUNTING, "max_tokens": 30, "stop": [" 14"]})
+    result, _ = run(engine, counting(30, stop=(" 14",)))
     assert result["finish_reason"] == "stop"
     assert " 14" not in result["text"] and "13" in result["text"]
 
 
 @pytest.mark.slow
-def test_max_tokens_is_clamped_to_the_cap(engine: LlamaEngine) -> None:
-    result, _ = run(engine, "completion", {**COUNTING, "max_tokens": 10_000})
-    assert result["usage"]["completion_tokens"] <= CAP
-
-
-@pytest.mark.slow
 def test_prompt_over_the_context_is_refused_with_the_numbers(engine: LlamaEngine) -> None:
     with pytest.raises(ContextOverflow) as info:
-        run(engine, "completion", {"prompt": "word " * 700, "max_tokens": 4})
+        run(engine, TextRequest(kind="completion", prompt="word " * 700, max_tokens=4))
     err = info.value
     assert err.status == 400 and err.code == "context_length_exceeded"
     assert f"the context is {N_CTX} tokens per slot" in err.message
@@ -134,7 +131,7 @@ def test_prompt_over_the_context_is_refused_with_the_numbers(engine: LlamaEngine
 
 @pytest.mark.slow
 def test_cancel_stops_within_a_token(engine: LlamaEngine) -> None:
-    result, deltas = run(engine, "completion", {**COUNTING, "max_tokens": 60}, cancel_after=3)
+    result, deltas = run(engine, counting(60), cancel_after=3)
     assert result["finish_reason"] == "cancelled"
     assert len(deltas) == 3
 
@@ -148,7 +145,7 @@ def test_hard_pressure_aborts_generation(engine: LlamaEngine, pressure: Pressure
         pressure.level = 2  # memory turns hard right after the first token
 
     with pytest.raises(MemoryPressure) as info:
-        engine.run("completion", {**COUNTING, "max_tokens": 60}, emit, lambda: False)
+        engine.run("completion", counting(60), emit, lambda: False)
     assert info.value.status == 503 and info.value.code == "memory_pressure"
     assert 1 <= len(deltas) <= 16
 
@@ -159,17 +156,17 @@ def test_hard_pressure_before_the_first_token_refuses_at_once(
 ) -> None:
     pressure.level = 2
     with pytest.raises(MemoryPressure):
-        run(engine, "completion", {**COUNTING, "max_tokens": 60})
+        run(engine, counting(60))
     pressure.level = 1  # soft does not abort
-    result, _ = run(engine, "completion", {**COUNTING, "max_tokens": 3})
+    result, _ = run(engine, counting(3))
     assert result["usage"]["completion_tokens"] == 3
 
 
 @pytest.mark.slow
 def test_seeded_sampling_repeats(engine: LlamaEngine) -> None:
-    payload = {**chat("Tell me a story.", max_tokens=12), "temperature": 1.0, "seed": 1234}
-    first, _ = run(engine, "chat", payload)
-    second, _ = run(engine, "chat", payload)
+    request = chat("Tell me a story.", max_tokens=12, temperature=1.0, seed=1234)
+    first, _ = run(engine, request)
+    second, _ = run(engine, request)
     assert first["text"] == second["text"]
 
 
@@ -186,7 +183,7 @@ def test_two_requests_run_at_once_in_two_slots(engine: LlamaEngine) -> None:
             firsts.setdefault(i, time.monotonic())
             started.set()
 
-        engine.run("chat", chat(f"Story number {i}:", max_tokens=CAP), emit, lambda: False)
+        engine.run("chat", chat(f"Story number {i}:", max_tokens=64), emit, lambda: False)
         ends[i] = time.monotonic()
 
     first = threading.Thread(target=one, args=(0,))
@@ -201,9 +198,14 @@ def test_two_requests_run_at_once_in_two_slots(engine: LlamaEngine) -> None:
 
 
 @pytest.mark.slow
-def test_unknown_op_is_a_bad_request(engine: LlamaEngine) -> None:
-    with pytest.raises(BadRequest):
-        run(engine, "embed", {"inputs": ["x"]})
+def test_unknown_op_or_an_untyped_payload_is_a_bad_request(engine: LlamaEngine) -> None:
+    def no_emit(_item: dict[str, Any]) -> None:
+        raise AssertionError("nothing is generated")
+
+    with pytest.raises(BadRequest, match="'embed'"):
+        engine.run("embed", {"inputs": ["x"]}, no_emit, lambda: False)
+    with pytest.raises(BadRequest, match="TextRequest"):
+        engine.run("completion", {"prompt": "1, 2,", "max_tokens": 2}, no_emit, lambda: False)
 
 
 def test_fallback_prompt_is_a_plain_transcript() -> None:
@@ -230,20 +232,16 @@ def gemma(gemma_settings: Settings | None) -> ModelSpec:
 def test_a_model_without_chat_template_still_chats(gemma: ModelSpec) -> None:
     eng = LlamaEngine()
     try:
-        options = {
-            "n_ctx": N_CTX,
-            "slots": 1,
-            "kv_type": "q8_0",
-            "cache_ram_bytes": 32 << 20,
-            "kv_block_tokens": 4,
-        }
+        options = LlamaOptions(
+            n_ctx=N_CTX, slots=1, kv_type="q8_0", cache_ram_bytes=32 << 20, kv_block_tokens=4
+        )
         facts = eng.load(gemma, options)
         assert facts["chat_template"] is False and facts["kv_type"] == "q8_0"
         payload = chat("What is the capital of France?", max_tokens=24)
-        first, _ = run(eng, "chat", payload)
+        first, _ = run(eng, payload)
         assert "Paris" in first["text"]
         assert "User:" not in first["text"]  # the fallback's turn marker stops generation
-        second, _ = run(eng, "chat", payload)
+        second, _ = run(eng, payload)
         assert second["text"] == first["text"]
         assert second["usage"]["cached_tokens"] > 0
     finally:
@@ -271,12 +269,37 @@ def test_the_engines_own_listener_is_private(engine: LlamaEngine) -> None:
 def test_a_salted_request_shares_no_kv_state(engine: LlamaEngine) -> None:
     """cache_salt: nothing is reused for it, and nothing of it is left for the next request
     (which would otherwise reuse the whole shared prefix)."""
-    prompt = {"prompt": "The quick brown fox jumps over the lazy dog. " * 6, "temperature": 0}
-    first, _ = run(engine, "completion", {**prompt, "max_tokens": 2, "cache_salt": "alice"})
-    again, _ = run(engine, "completion", {**prompt, "max_tokens": 2, "cache_salt": "alice"})
+    text = "The quick brown fox jumps over the lazy dog. " * 6
+    plain = TextRequest(kind="completion", prompt=text, max_tokens=2, temperature=0)
+    salted = replace(plain, isolated=True)
+    first, _ = run(engine, salted)
+    again, _ = run(engine, salted)
     assert first["usage"]["cached_tokens"] == 0 and again["usage"]["cached_tokens"] == 0
-    plain, _ = run(engine, "completion", {**prompt, "max_tokens": 2})
-    assert plain["usage"]["cached_tokens"] == 0  # the salted state was wiped, not cached
-    repeat, _ = run(engine, "completion", {**prompt, "max_tokens": 2})
+    unsalted, _ = run(engine, plain)
+    assert unsalted["usage"]["cached_tokens"] == 0  # the salted state was wiped, not cached
+    repeat, _ = run(engine, plain)
     assert repeat["usage"]["cached_tokens"] > 0  # unsalted requests still share
-    assert again["text"] == first["text"] == plain["text"]
+    assert again["text"] == first["text"] == unsalted["text"]
+
+
+def _locked_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmLck:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmLck in /proc/self/status")
+
+
+@pytest.mark.slow
+def test_mlock_locks_the_weights_in_ram() -> None:
+    """The mlock knob reaches llama.cpp: the mapped weights are locked (and, without it,
+    they are not: the module's engine above holds none)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if os.geteuid() != 0 and soft != resource.RLIM_INFINITY and soft < 256 << 20:
+        pytest.skip("RLIMIT_MEMLOCK is too small to lock the weights")
+    before = _locked_bytes()
+    eng = LlamaEngine()
+    try:
+        eng.load(bundled_spec("smollm2-135m"), LlamaOptions(n_ctx=256, mlock=True))
+        assert _locked_bytes() - before >= 80 << 20  # the ~92 MB of mapped weights
+    finally:
+        eng.close()

@@ -14,6 +14,7 @@ import pytest
 from bundled_models import bundled_spec
 
 from elbowroom.engines.audio import decode_audio, supported_formats
+from elbowroom.engines.options import EngineOptions
 from elbowroom.engines.piper import PiperEngine, check_format, check_speed
 from elbowroom.errors import BadRequest, EngineError
 
@@ -24,7 +25,7 @@ VOICE = "piper-en-us-joe"
 @pytest.fixture(scope="module")
 def engine() -> Any:
     eng = PiperEngine()
-    facts = eng.load(bundled_spec(VOICE), {})
+    facts = eng.load(bundled_spec(VOICE), EngineOptions())
     assert facts["sample_rate"] == 22050
     yield eng
     eng.close()
@@ -120,13 +121,13 @@ def test_missing_config_is_a_load_error(tmp_path: Path) -> None:
     # No config option either: the engine looks for voice.onnx.json beside the fake.
     spec = replace(bundled_spec(VOICE), path=fake, options={})
     with pytest.raises(EngineError, match="config"):
-        PiperEngine().load(spec, {})
+        PiperEngine().load(spec, EngineOptions())
 
 
 def test_missing_piper_is_a_clear_load_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "piper", None)  # what `import piper` sees when absent
     with pytest.raises(EngineError, match=r"elbowroom\[tts\].*GPL-3.0"):
-        PiperEngine().load(bundled_spec(VOICE), {})
+        PiperEngine().load(bundled_spec(VOICE), EngineOptions())
 
 
 def test_importing_the_engine_does_not_import_gpl_piper() -> None:

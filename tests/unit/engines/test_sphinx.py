@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from bundled_models import bundled_spec, speak
 
+from elbowroom.engines.options import EngineOptions
 from elbowroom.engines.sphinx import SphinxEngine, _segments, model_files
 from elbowroom.errors import BadRequest, EngineError
 
@@ -29,7 +30,7 @@ def speech_wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def engine() -> Any:
     eng = SphinxEngine()
-    eng.load(bundled_spec(SPHINX), {})
+    eng.load(bundled_spec(SPHINX), EngineOptions())
     yield eng
     eng.close()
 

@@ -10,6 +10,7 @@ import pytest
 from bundled_models import bundled_spec, speak
 
 from elbowroom.engines.audio import TranscribeRequest, decode_audio
+from elbowroom.engines.options import EngineOptions
 from elbowroom.engines.whisper import WhisperEngine
 from elbowroom.errors import BadRequest, PayloadTooLarge
 
@@ -33,7 +34,7 @@ def speech(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def engine() -> Any:
     eng = WhisperEngine()
-    facts = eng.load(bundled_spec("whisper-tiny.en"), {"threads": 2})
+    facts = eng.load(bundled_spec("whisper-tiny.en"), EngineOptions(threads=2))
     assert facts["multilingual"] is False
     yield eng
     eng.close()

@@ -258,12 +258,16 @@ def test_a_hard_gpu_pool_aborts_and_unloads_gpu_work_first() -> None:
     ]
     actions = plan(N, N, inflight, models, reading=reading(500), gate=Gate(), gpus=[gpu(H, 990)])
     # the gates follow the GPU's level, with its numbers
-    assert of(PauseLoads, actions) == [PauseLoads(H, 990 * MiB, 850 * MiB)]
-    assert of(CloseAdmission, actions) == [CloseAdmission(5.0, 990 * MiB, 950 * MiB)]
+    assert of(PauseLoads, actions) == [PauseLoads(H, 990 * MiB, 850 * MiB, pool="gpu0")]
+    assert of(CloseAdmission, actions) == [CloseAdmission(5.0, 990 * MiB, 950 * MiB, "gpu0")]
+    assert of(PauseLoads, actions)[0].message().startswith("pausing model loads on gpu0: ")
     # the idle model on the GPU goes (400 MiB of VRAM), not the host's LRU one ...
     unloads = of(Unload, actions)
     assert [(u.model, u.pool, u.bytes) for u in unloads] == [("gpu-idle", "gpu0", 50 * MiB)]
-    assert "on gpu0" in unloads[0].message()
+    # its message names what it holds on the GPU beside its host bytes
+    assert "gpu-idle (400.0 MiB on gpu0, 50.0 MiB host RAM) at hard pressure on gpu0" in (
+        unloads[0].message()
+    )
     # ... and 400 MiB covers the 40 MiB over hard: no abort needed
     assert of(Abort, actions) == []
 
@@ -272,7 +276,7 @@ def test_a_hard_gpu_pool_aborts_and_unloads_gpu_work_first() -> None:
     actions = plan(N, N, inflight, busy_only, reading=reading(500), gate=Gate(), gpus=[gpu(H, 990)])
     aborts = of(Abort, actions)
     assert [(a.request_id, a.pool) for a in aborts] == [("on-gpu", "gpu0")]
-    assert "on gpu0" in aborts[0].message()
+    assert "(runner holds 500.0 MiB on gpu0, 100.0 MiB host RAM)" in aborts[0].message()
     # over hard in VRAM bytes: the GPU model is evicted once its requests end
     assert [(u.model, u.busy) for u in of(Unload, actions)] == [("gpu-llm", True)]
     # its runner gets level 2; the CPU model only level 1 (the gate is hard, its work runs)

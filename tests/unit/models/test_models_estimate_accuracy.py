@@ -65,3 +65,20 @@ def test_synthetic_files_are_cached(tiny: ModelSpec) -> None:
     assert ensure([TINY], tiny.path.parent)[TINY.name] == tiny.path
     assert tiny.path.stat().st_mtime_ns == stamp  # not written again
     assert [p.name for p in tiny.path.parent.iterdir()] == [tiny.path.name]  # no temp file
+
+
+def test_a_resident_engine_is_measured_through_its_own_engine_class(
+    empty_settings: Settings,
+) -> None:
+    # The calibration child loads elbowroom's engine with the typed options a runner gets;
+    # the embedding model is the quickest resident engine. Its prediction is its state after
+    # a request (models/estimate.py), so that is what is compared.
+    pytest.importorskip("onnxruntime")
+    spec = next((s for s in bundled_specs(empty_settings) if s.id == "minilm-l6-v2"), None)
+    if spec is None:
+        pytest.skip("the bundled MiniLM is not installed")
+    m = measure_load(spec, 0, "f16", timeout=240)
+    used = m.stages["used"].resident
+    assert m.stages["loaded"].resident > m.stages["imported"].resident  # the weights came in
+    fp = footprint(spec, 0, 1)
+    assert abs(fp.total - used) / used <= 0.10, (fp.total, used)

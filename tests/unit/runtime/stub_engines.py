@@ -12,6 +12,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from elbowroom.engines.base import Cancelled, Emit
+from elbowroom.engines.options import EngineOptions
+from elbowroom.engines.requests import Payload
 from elbowroom.models.spec import ModelSpec
 from elbowroom.runtime.worker import serve
 
@@ -23,14 +25,12 @@ class Stubborn:
     def __init__(self, *, ignore_term: bool = False) -> None:
         self.ignore_term = ignore_term
 
-    def load(self, spec: ModelSpec, options: dict[str, Any]) -> dict[str, Any]:
+    def load(self, spec: ModelSpec, options: EngineOptions) -> dict[str, Any]:
         if self.ignore_term:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         return {"stub": True}
 
-    def run(
-        self, op: str, payload: dict[str, Any], emit: Emit, cancelled: Cancelled
-    ) -> dict[str, Any]:
+    def run(self, op: str, payload: Payload, emit: Emit, cancelled: Cancelled) -> dict[str, Any]:
         emit({"type": "delta", "text": "started"})
         threading.Event().wait()
         return {}
@@ -43,27 +43,27 @@ class Stubborn:
 
 
 class NeverLoads(Stubborn):
-    def load(self, spec: ModelSpec, options: dict[str, Any]) -> dict[str, Any]:
+    def load(self, spec: ModelSpec, options: EngineOptions) -> dict[str, Any]:
         threading.Event().wait()
         return {}
 
 
 class DiesWhileLoading(Stubborn):
-    def load(self, spec: ModelSpec, options: dict[str, Any]) -> dict[str, Any]:
+    def load(self, spec: ModelSpec, options: EngineOptions) -> dict[str, Any]:
         os._exit(3)
 
 
-def stubborn_main(conn: Connection, spec: ModelSpec, options: dict[str, Any]) -> None:
+def stubborn_main(conn: Connection, spec: ModelSpec, options: EngineOptions) -> None:
     raise SystemExit(serve(conn, spec, options, Stubborn()))
 
 
-def unkillable_main(conn: Connection, spec: ModelSpec, options: dict[str, Any]) -> None:
+def unkillable_main(conn: Connection, spec: ModelSpec, options: EngineOptions) -> None:
     raise SystemExit(serve(conn, spec, options, Stubborn(ignore_term=True)))
 
 
-def dies_while_loading_main(conn: Connection, spec: ModelSpec, options: dict[str, Any]) -> None:
+def dies_while_loading_main(conn: Connection, spec: ModelSpec, options: EngineOptions) -> None:
     raise SystemExit(serve(conn, spec, options, DiesWhileLoading()))
 
 
-def never_loads_main(conn: Connection, spec: ModelSpec, options: dict[str, Any]) -> None:
+def never_loads_main(conn: Connection, spec: ModelSpec, options: EngineOptions) -> None:
     raise SystemExit(serve(conn, spec, options, NeverLoads()))

@@ -20,6 +20,8 @@ import stub_engines
 from bundled_models import bundled_spec
 
 from elbowroom.config import Settings
+from elbowroom.engines.options import EngineOptions, LlamaOptions
+from elbowroom.engines.requests import TextRequest
 from elbowroom.errors import BadRequest, EngineError, MemoryPressure, RunnerCrashed, Unavailable
 from elbowroom.memory.types import ZERO_PROCESS_MEMORY
 from elbowroom.models.spec import ModelSpec
@@ -32,8 +34,10 @@ T = TypeVar("T")
 SETTINGS = Settings(load_timeout=120.0, stop_grace=5.0)
 # kv_cache off: these tests read the context's own prefix reuse (the KV prefix cache has
 # its own tests in tests/unit/kvcache).
-OPTIONS = {"n_ctx": 512, "max_tokens_cap": 256, "kv_cache": False}
-COUNTING = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "temperature": 0}
+OPTIONS = LlamaOptions(n_ctx=512, kv_cache=False)
+COUNTING = TextRequest(
+    kind="completion", prompt="1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", temperature=0, max_tokens=256
+)
 DEADLINE = 60.0
 SMOLLM2 = "smollm2-135m"
 
@@ -74,6 +78,10 @@ def llm(run: Callable[[Awaitable[Any]], Any]) -> Iterator[tuple[Supervisor, Exit
     info = run(sup.start(OPTIONS))
     yield sup, exits, info
     run(sup.stop(1.0))
+
+
+def counting(max_tokens: int) -> TextRequest:
+    return replace(COUNTING, max_tokens=max_tokens)
 
 
 async def collect(stream: AsyncIterator[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -118,7 +126,7 @@ def test_request_streams_deltas_then_done(
     llm: tuple[Supervisor, Exits, Any], run: Callable[[Awaitable[Any]], Any]
 ) -> None:
     sup, _, _ = llm
-    items = run(collect(sup.request("completion", {**COUNTING, "max_tokens": 6})))
+    items = run(collect(sup.request("completion", counting(6))))
     *deltas, done = items
     assert all(d["type"] == "delta" for d in deltas) and deltas
     assert done["type"] == "done" and done["finish_reason"] == "length"
@@ -133,7 +141,7 @@ def test_engine_errors_travel_on_the_request_channel(
     sup, _, _ = llm
     with pytest.raises(BadRequest) as info:
         run(collect(sup.request("chat", {"messages": "not a list"})))
-    assert "messages" in info.value.message
+    assert "TextRequest" in info.value.message
     assert sup.state is RunnerState.READY
 
 
@@ -144,9 +152,9 @@ def test_pressure_level_reaches_the_engine(
     sup, _, _ = llm
     sup.set_pressure(2)
     with pytest.raises(MemoryPressure):
-        run(collect(sup.request("completion", {**COUNTING, "max_tokens": 4})))
+        run(collect(sup.request("completion", counting(4))))
     sup.set_pressure(0)
-    *_, done = run(collect(sup.request("completion", {**COUNTING, "max_tokens": 4})))
+    *_, done = run(collect(sup.request("completion", counting(4))))
     assert done["usage"]["completion_tokens"] == 4
 
 
@@ -157,14 +165,14 @@ def test_closing_the_stream_early_cancels_the_work(
     sup, _, _ = llm
     # How many tokens a request left in the context shows up as the next prompt's cached
     # prefix. Control: an uncancelled 120-token run leaves all of them there.
-    *_, full = run(collect(sup.request("completion", {**COUNTING, "max_tokens": 120})))
-    continued = {"prompt": COUNTING["prompt"] + full["text"], "temperature": 0, "max_tokens": 1}
+    *_, full = run(collect(sup.request("completion", counting(120))))
+    continued = replace(COUNTING, prompt=COUNTING.prompt + full["text"], max_tokens=1)
     *_, control = run(collect(sup.request("completion", continued)))
     n_prompt = full["usage"]["prompt_tokens"]
     assert control["usage"]["cached_tokens"] >= n_prompt + 64  # in whole 64-token blocks
 
     async def take_two_then_leave() -> None:
-        stream = sup.request("completion", {**COUNTING, "max_tokens": 120})
+        stream = sup.request("completion", counting(120))
         assert isinstance(stream, AsyncIterator)
         for _ in range(2):
             await anext(stream)
@@ -194,7 +202,7 @@ def test_kill_9_mid_stream_fails_the_request_and_reports_once(
     info = run(sup.start(OPTIONS))
 
     async def stream_then_kill() -> None:
-        stream = sup.request("completion", {**COUNTING, "max_tokens": 200})
+        stream = sup.request("completion", counting(200))
         await anext(stream)
         os.kill(info.pid, signal.SIGKILL)
         async for _ in stream:
@@ -222,7 +230,7 @@ def test_load_failure_raises_the_workers_error_and_reaps(
     exits = Exits()
     spawned: list[Any] = []
 
-    def spawn(conn: Any, spec: ModelSpec, options: dict[str, Any]) -> Any:
+    def spawn(conn: Any, spec: ModelSpec, options: EngineOptions) -> Any:
         proc = spawn_worker(conn, spec, options)
         spawned.append(proc.pid)  # the Process object is closed once the runner exited
         return proc
@@ -269,7 +277,7 @@ def test_a_stopped_runner_leaves_no_named_semaphore(
         w.setframerate(16000)
         w.writeframes(bytes(32000))
     sup = Supervisor(bundled_spec("whisper-tiny.en"), Exits(), settings=SETTINGS)
-    info = run(sup.start({"threads": 1}))
+    info = run(sup.start(EngineOptions(threads=1)))
     run(collect(sup.request("transcribe", {"audio_path": str(silence)})))
     # glibc maps a semaphore under a temporary name, then links it to its real one: the
     # inode is what the runner's mapping and the /dev/shm entry share.
@@ -303,7 +311,7 @@ def test_stop_escalates_to_signals(
     exits = Exits()
     pipes = open_pipes()
     sup = stub_supervisor(target, exits)
-    info = run(sup.start({}))
+    info = run(sup.start(EngineOptions()))
     assert info.facts == {"stub": True}
     assert run(sup.stats()) == {"stub": "stats"}
 
@@ -333,7 +341,7 @@ def test_death_while_loading_is_a_crash_named_by_exit_code(
     pipes = open_pipes()
     sup = stub_supervisor(stub_engines.dies_while_loading_main, exits)
     with pytest.raises(RunnerCrashed) as err:
-        run(sup.start({}))
+        run(sup.start(EngineOptions()))
     assert "while loading (exit code 3)" in err.value.message
     assert sup.state is RunnerState.CRASHED and exits.calls == []
     assert open_pipes() == pipes  # a crash leaves no fd of the process behind either
@@ -344,14 +352,14 @@ def test_a_load_past_load_timeout_is_stopped(run: Callable[[Awaitable[Any]], Any
     settings = Settings(load_timeout=0.5, stop_grace=0.2)
     spawned: list[Any] = []
 
-    def spawn(conn: Any, spec: ModelSpec, options: dict[str, Any]) -> Any:
+    def spawn(conn: Any, spec: ModelSpec, options: EngineOptions) -> Any:
         proc = spawn_worker(conn, spec, options, target=stub_engines.never_loads_main)
         spawned.append(proc.pid)  # the Process object is closed once the runner exited
         return proc
 
     sup = Supervisor(bundled_spec(SMOLLM2), exits, settings=settings, spawn=spawn)
     with pytest.raises(Unavailable) as err:
-        run(sup.start({}))
+        run(sup.start(EngineOptions()))
     assert "load_timeout" in err.value.message and err.value.status == 503
     assert sup.state is RunnerState.STOPPED and pid_gone(spawned[0])
     assert exits.calls == []
@@ -362,7 +370,7 @@ def test_stop_while_loading_fails_the_start(run: Callable[[Awaitable[Any]], Any]
     sup = stub_supervisor(stub_engines.never_loads_main, exits)
 
     async def start_then_stop() -> BaseException | None:
-        starting = asyncio.ensure_future(sup.start({}))
+        starting = asyncio.ensure_future(sup.start(EngineOptions()))
         while sup.pid is None:  # spawned: the worker is now loading (forever)
             await asyncio.sleep(0)
         await sup.stop(0.2)

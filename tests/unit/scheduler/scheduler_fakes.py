@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from elbowroom.config import Settings
+from elbowroom.engines.options import EngineOptions, LlamaOptions
 from elbowroom.errors import ModelNotFound, RunnerCrashed
 from elbowroom.memory.types import ZERO_PROCESS_MEMORY, ProcessMemory, Snapshot
 from elbowroom.models.spec import Footprint, GGUFInfo, Holding, ModelKind, ModelSpec
@@ -96,13 +97,21 @@ class FakeMachine:
 _pids = itertools.count(1000)
 
 
+def context_of(options: EngineOptions) -> tuple[int, int, str]:
+    """(n_ctx, slots, kv_type) of a runner's start options; an engine without a context
+    has none."""
+    if isinstance(options, LlamaOptions):
+        return options.n_ctx, options.slots, options.kv_type
+    return 0, 1, "f16"
+
+
 class FakeRunner:
     def __init__(
         self,
         machine: FakeMachine,
         spec: ModelSpec,
         on_exit: ExitCallback,
-        size_of: Callable[[dict[str, Any]], int],
+        size_of: Callable[[EngineOptions], int],
     ) -> None:
         self.spec = spec
         self.machine = machine
@@ -112,7 +121,7 @@ class FakeRunner:
         self._pid: int | None = None
         self._state = RunnerState.NEW
         self.exit_cause: str | None = None
-        self.options: dict[str, Any] | None = None
+        self.options: EngineOptions | None = None
         self.dead = asyncio.Event()
         self.in_request = 0
         self.stops = 0
@@ -125,7 +134,7 @@ class FakeRunner:
     def state(self) -> RunnerState:
         return self._state
 
-    async def start(self, options: dict[str, Any]) -> ReadyInfo:
+    async def start(self, options: EngineOptions) -> ReadyInfo:
         self.options = options
         self.nbytes = self.size_of(options)
         self._state = RunnerState.STARTING
@@ -150,7 +159,7 @@ class FakeRunner:
             pid=self._pid,
             load_seconds=0.5,
             measured=ProcessMemory(self.nbytes, 0, pids=(self._pid,)),
-            facts={"n_ctx": options.get("n_ctx")},
+            facts={"n_ctx": options.n_ctx if isinstance(options, LlamaOptions) else None},
         )
 
     async def request(self, kind: str, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -319,12 +328,11 @@ def harness(
     estimator, measured = FakeEstimator(), FakeMeasurements()
 
     def factory(s: ModelSpec, on_exit: ExitCallback) -> FakeRunner:
-        def size_of(options: dict[str, Any]) -> int:
+        def size_of(options: EngineOptions) -> int:
             # What the estimate predicts for these options, unless the test says otherwise.
             if actual is not None and s.id in actual:
                 return actual[s.id] * MiB
-            fp = estimator.footprint(s, options["n_ctx"], options["slots"], options["kv_type"])
-            return fp.total
+            return estimator.footprint(s, *context_of(options)).total
 
         runner = FakeRunner(machine, s, on_exit, size_of)
         runners.append(runner)

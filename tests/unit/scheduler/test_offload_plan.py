@@ -8,6 +8,7 @@ from pathlib import Path
 from gpu_layouts import calib, synth_tensors
 
 from elbowroom.config import Settings
+from elbowroom.engines.options import LlamaOptions, Offload
 from elbowroom.memory.budget import BudgetConfig
 from elbowroom.memory.pools import memory_pools
 from elbowroom.memory.types import GpuMemory, Snapshot
@@ -50,8 +51,9 @@ def test_fully_offloaded_model_gets_the_gpu_context_and_pool_bytes() -> None:
     assert set(plan.request.pools) == {"gpu0"} and plan.request.pools["gpu0"] > 3 * GiB
     # Host holds the embeddings (mmap) and the runtime, far less than the CPU plan.
     assert plan.request.needed < 1 * GiB
-    opts = start_options(Settings(), plan)
-    assert opts["n_gpu_layers"] == 17 and opts["gpu_devices"] == [0] and opts["n_ctx"] == 4096
+    opts = start_options(Settings(), SPEC, plan)
+    assert isinstance(opts, LlamaOptions)
+    assert opts.offload == Offload(17, devices=(0,)) and opts.n_ctx == 4096
 
 
 def test_busy_models_vram_is_not_room_but_idle_models_is() -> None:
@@ -69,7 +71,8 @@ def test_gpu_layers_zero_keeps_the_model_off_the_gpus() -> None:
     plan = place_on_gpus(CPU_PLAN, SPEC, Settings(gpu_layers=0), State((), 10 * GiB), pools(70))
     assert plan.placement is not None and plan.placement.mode == "cpu"
     assert plan.request is CPU_PLAN.request
-    assert start_options(Settings(), plan)["gpu_devices"] == []
+    opts = start_options(Settings(), SPEC, plan)
+    assert isinstance(opts, LlamaOptions) and opts.offload == Offload(0, devices=())
 
 
 def test_measured_vram_rescales_the_split() -> None:

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 from gpu_layouts import recorded, shape
 
+from elbowroom.engines.options import Offload
 from elbowroom.memory.budget import BudgetConfig
 from elbowroom.memory.pools import memory_pools
 from elbowroom.memory.types import GpuMemory, Snapshot
@@ -28,7 +29,7 @@ def test_full_offload_on_the_gpu_with_most_room() -> None:
     assert p.mode == "gpu" and p.devices == (1,) and p.counts == (17,)
     assert p.split == "100% GPU"
     assert p.pool_bytes == {"gpu1": full_bytes()}
-    assert p.engine_options() == {"n_gpu_layers": 17, "gpu_devices": [1]}
+    assert p.offload() == Offload(17, devices=(1,))
 
 
 def test_split_over_two_gpus_in_proportion_to_room() -> None:
@@ -41,8 +42,9 @@ def test_split_over_two_gpus_in_proportion_to_room() -> None:
     assert p.counts[1] > p.counts[0]
     for pool, b in p.pool_bytes.items():
         assert b <= {"gpu0": rooms[0].room, "gpu1": rooms[1].room}[pool]
-    opts = p.engine_options()
-    assert opts["gpu_devices"] == [0, 1] and opts["tensor_split"] == [float(c) for c in p.counts]
+    offload = p.offload()
+    assert offload.devices == (0, 1)
+    assert offload.tensor_split == tuple(float(c) for c in p.counts)
 
 
 def test_partial_offload_when_vram_is_short() -> None:
@@ -69,7 +71,7 @@ def test_longer_context_means_fewer_layers_on_the_gpu() -> None:
 def test_cpu_when_no_gpu_has_room_for_a_layer() -> None:
     p = place(LLAMA, 2048, 1, "f16", [GpuRoom(0, 200 * MiB)])
     assert p.mode == "cpu" and p.bytes is None and p.split == "100% CPU"
-    assert p.engine_options() == {"n_gpu_layers": 0, "gpu_devices": []}
+    assert p.offload() == Offload(0, devices=())
     assert place(LLAMA, 2048, 1, "f16", []).mode == "cpu"
 
 
@@ -98,7 +100,7 @@ def test_unified_memory_offloads_to_metal(layers: int | None, mode: str) -> None
     p = unified(QWEN, layers)
     assert p.mode == mode
     if mode != "cpu":
-        assert p.engine_options() == {"n_gpu_layers": layers if layers and layers > 0 else 25}
+        assert p.offload() == Offload(layers if layers and layers > 0 else 25)
         assert p.pool_bytes == {}
 
 

@@ -16,11 +16,13 @@ from scheduler_fakes import (
     FakeMachine,
     FakeMeasurements,
     FakeRunner,
+    context_of,
     request,
     run,
 )
 
 from elbowroom.config import Settings
+from elbowroom.engines.options import EngineOptions, LlamaOptions, Offload
 from elbowroom.errors import InsufficientMemory
 from elbowroom.memory.types import GpuMemory, Snapshot
 from elbowroom.models.gguf_meta import tensor_bytes_by_layer
@@ -50,11 +52,13 @@ def llm(model_id: str, layers: int) -> ModelSpec:
 def vram(r: FakeRunner) -> int:
     """What the fake runner's GPU holds: the offload arithmetic for its start options."""
     o = r.options
-    if r.state is not RunnerState.READY or not o or not o.get("n_gpu_layers"):
+    if r.state is not RunnerState.READY or not isinstance(o, LlamaOptions):
+        return 0
+    if not o.offload.n_gpu_layers:
         return 0
     assert r.spec.gguf is not None
     layout = Layout.from_info(r.spec.gguf)
-    return split_bytes(layout, o["n_ctx"], o["slots"], o["kv_type"], [o["n_gpu_layers"]]).gpu[0]
+    return split_bytes(layout, o.n_ctx, o.slots, o.kv_type, [o.offload.n_gpu_layers]).gpu[0]
 
 
 @dataclasses.dataclass
@@ -63,10 +67,10 @@ class GpuHarness:
     runners: list[FakeRunner]
     peak: list[int]
 
-    def options(self, model_id: str) -> dict[str, Any]:
+    def offload(self, model_id: str) -> Offload:
         r = next(r for r in reversed(self.runners) if r.spec.id == model_id)
-        assert r.options is not None
-        return r.options
+        assert isinstance(r.options, LlamaOptions)
+        return r.options.offload
 
     def loaded(self) -> list[str]:
         return sorted(row["id"] for row in self.sched.ps())
@@ -88,8 +92,9 @@ def gpu_harness(*specs: ModelSpec, **overrides: Any) -> GpuHarness:
         return dataclasses.replace(machine.probe(), gpus=(gpu,))
 
     def factory(s: ModelSpec, on_exit: ExitCallback) -> FakeRunner:
-        def size_of(options: dict[str, Any]) -> int:
-            return estimator.footprint(s, options["n_ctx"], options["slots"]).total
+        def size_of(options: EngineOptions) -> int:
+            n_ctx, slots, _ = context_of(options)
+            return estimator.footprint(s, n_ctx, slots).total
 
         runner = FakeRunner(machine, s, on_exit, size_of)
         runners.append(runner)
@@ -112,17 +117,16 @@ def test_alternating_models_place_evict_by_vram_and_partially_offload() -> None:
         await request(h, "a")
         await request(h, "b")
         assert h.loaded() == ["a", "b"]  # 5.6 GiB: both fit the 6.375 GiB ceiling
-        assert h.options("a")["n_gpu_layers"] == 17 and h.options("a")["gpu_devices"] == [0]
+        assert h.offload("a") == Offload(17, devices=(0,))
         await request(h, "c")  # 3.5 GiB more: the least recently used GPU model goes
         assert h.loaded() == ["b", "c"]
         await request(h, "big")  # cannot fit even alone: everything idle is evicted ...
         assert h.loaded() == ["big"]
-        opts = h.options("big")
-        assert 0 < opts["n_gpu_layers"] < 65  # ... and part of it stays on the CPU
+        assert 0 < h.offload("big").n_gpu_layers < 65  # ... and part of it stays on the CPU
         row = h.sched.ps()[0]
         assert row["processor"].endswith("CPU/GPU") and row["placement"]["mode"] == "partial"
         await request(h, "a")  # back to a small one: big is evicted for it
-        assert h.loaded() == ["a"] and h.options("a")["n_gpu_layers"] == 17
+        assert h.loaded() == ["a"] and h.offload("a").n_gpu_layers == 17
 
     run(scenario())
     # VRAM never went past the ceiling the pool allows.

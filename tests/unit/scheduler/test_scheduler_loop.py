@@ -11,6 +11,7 @@ import contextlib
 import pytest
 from scheduler_fakes import Harness, harness, request, run, spec, until
 
+from elbowroom.engines.options import LlamaOptions
 from elbowroom.errors import (
     EngineError,
     InsufficientMemory,
@@ -75,16 +76,15 @@ def test_unknown_model_is_404() -> None:
 
 def test_runner_start_options_carry_the_settings() -> None:
     async def scenario() -> None:
-        h = harness(LLM, ctx=2048, kv_type="q8_0", slots=2, threads=3, kv_ram_max=64 * MiB)
+        h = harness(LLM, ctx=2048, kv_type="q8_0", slots=2, threads=3, kv_ram_max=64 * MiB,
+                    mlock=True, kv_disk_max=7 * MiB, kv_block_tokens=32)  # fmt: skip
         await request(h, "llm")
         opts = h.runner("llm").options
-        assert opts is not None
-        assert opts["n_ctx"] == 2048 and opts["kv_type"] == "q8_0" and opts["slots"] == 2
-        assert opts["threads"] == 3 and opts["cache_ram_bytes"] == 64 * MiB
-        assert opts["kv_cache_dir"] == "/nonexistent/elbowroom-test/kv"
-        assert {"mlock", "max_tokens_cap", "kv_cache", "kv_disk_max", "kv_block_tokens"} <= set(
-            opts
-        )
+        assert isinstance(opts, LlamaOptions)
+        assert opts.n_ctx == 2048 and opts.kv_type == "q8_0" and opts.slots == 2
+        assert opts.threads == 3 and opts.cache_ram_bytes == 64 * MiB
+        assert opts.kv_cache_dir == "/nonexistent/elbowroom-test/kv"
+        assert opts.mlock is True and opts.kv_disk_max == 7 * MiB and opts.kv_block_tokens == 32
 
     run(scenario())
 
@@ -97,7 +97,8 @@ def test_llm_context_is_sized_from_the_budget() -> None:
         h = harness(A, LLM)
         task, gate = await hold_request(h, "a")
         await request(h, "llm")
-        assert h.runner("llm").options["n_ctx"] == 4352  # type: ignore[index]
+        opts = h.runner("llm").options
+        assert isinstance(opts, LlamaOptions) and opts.n_ctx == 4352
         gate.set()
         await task
 

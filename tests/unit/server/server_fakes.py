@@ -18,6 +18,7 @@ from typing import Any
 from bundled_models import SMOLLM2_INFO
 
 from elbowroom.config import Settings
+from elbowroom.engines.requests import Payload
 from elbowroom.errors import ElbowroomError, ModelNotFound
 from elbowroom.models.spec import Holding, ModelKind, ModelSpec
 from elbowroom.server.deps import Services
@@ -76,7 +77,7 @@ class FakeRunner:
     async def stats(self) -> dict[str, Any]:
         return {"kv_cache": {"entries_ram": 1}}
 
-    async def request(self, kind: str, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def request(self, kind: str, payload: Payload) -> AsyncIterator[dict[str, Any]]:
         s = self.scheduler
         s.requests.append((kind, payload))
         script = s.script
@@ -106,7 +107,7 @@ class FakeScheduler:
     def __init__(self) -> None:
         self.script = Script()
         self.use_error: ElbowroomError | None = None
-        self.requests: list[tuple[str, dict[str, Any]]] = []
+        self.requests: list[tuple[str, Any]] = []  # (op, the payload: a TextRequest for text)
         self.uses: list[tuple[str, float | None]] = []
         self.released: list[BaseException | None] = []
         self.closed = 0

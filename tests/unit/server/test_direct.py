@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from elbowroom.engines.requests import DirectClose, Payload, TextRequest
 from elbowroom.errors import ContextOverflow
 from elbowroom.server.direct import open_direct
 
@@ -115,11 +116,12 @@ class Runner:
     def __init__(self, socket: Path, direct: bool = True) -> None:
         self.socket = socket
         self.direct = direct
-        self.closed: list[dict[str, Any]] = []
+        self.closed: list[DirectClose] = []
         self.watchers: set[Callable[[int], None]] = set()
 
-    async def request(self, kind: str, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def request(self, kind: str, payload: Payload) -> AsyncIterator[dict[str, Any]]:
         if kind == "open":
+            assert isinstance(payload, TextRequest)
             if not self.direct:
                 yield {"type": "done", "direct": False}
                 return
@@ -130,11 +132,11 @@ class Runner:
                 "socket": str(self.socket),
                 "key": "k3y",
                 "path": "/v1/chat/completions",
-                "body": {"messages": payload["request"]["messages"], "stream": True},
+                "body": {"messages": list(payload.messages), "stream": True},
                 "block_tokens": 64,
             }
         else:
-            assert kind == "close"
+            assert kind == "close" and isinstance(payload, DirectClose)
             self.closed.append(payload)
             yield {"type": "done", "closed": True}
 
@@ -160,9 +162,8 @@ async def _relay(
     stack = AsyncExitStack()
     stack.callback(released.append, "scheduler")
     try:
-        stream = await open_direct(
-            runner, stack, "smollm2-135m", "chat", {"messages": [{"role": "user"}]}, include_usage
-        )
+        request = TextRequest(kind="chat", messages=({"role": "user"},), max_tokens=8, stream=True)
+        stream = await open_direct(runner, stack, "smollm2-135m", request, include_usage)
         if stream is None:
             await stack.aclose()
             return None, engine, runner, released
@@ -203,7 +204,7 @@ def test_relays_the_engine_stream_renamed_with_rounded_usage(tmp_path: Path) -> 
     assert "Authorization: Bearer k3y" in engine.requests[0]["head"]
     assert engine.requests[0]["body"]["stream"] is True
     timings = {"cache_n": 199, "prompt_n": 1, "prompt_ms": 5.0, "predicted_n": 2}
-    assert runner.closed == [{"ticket": 7, "timings": timings}]
+    assert runner.closed == [DirectClose(7, timings)]
     assert released == ["scheduler"] and not runner.watchers
 
 
@@ -215,7 +216,8 @@ def test_without_include_usage_the_usage_event_is_dropped(tmp_path: Path) -> Non
     assert events[-1] == "[DONE]"
     assert all("usage" not in e for e in events[:-1])
     assert events[-2]["choices"][0]["finish_reason"] == "length"
-    assert runner.closed[0]["timings"]["prompt_n"] == 1  # still read for the cost model
+    closed = runner.closed[0].timings
+    assert closed is not None and closed["prompt_n"] == 1  # still read for the cost model
 
 
 def test_an_engine_refusal_before_the_first_token_keeps_its_status(tmp_path: Path) -> None:
@@ -310,9 +312,8 @@ def test_a_non_streamed_answer_is_read_whole_and_rewritten(tmp_path: Path) -> No
         stack = AsyncExitStack()
         stack.callback(released.append, "scheduler")
         try:
-            direct = await open_direct(
-                runner, stack, "smollm2-135m", "chat", {"messages": []}, False, stream=False
-            )
+            request = TextRequest(kind="chat", max_tokens=8)  # not streamed
+            direct = await open_direct(runner, stack, "smollm2-135m", request, False)
             assert direct is not None
             return await direct.answer(), engine, runner, released
         finally:
@@ -324,5 +325,5 @@ def test_a_non_streamed_answer_is_read_whole_and_rewritten(tmp_path: Path) -> No
     assert got["model"] == "smollm2-135m" and "timings" not in got
     assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
     assert got["choices"][0]["message"]["content"] == "Hi"
-    assert runner.closed == [{"ticket": 7, "timings": {"prompt_n": 1, "prompt_ms": 2.0}}]
+    assert runner.closed == [DirectClose(7, {"prompt_n": 1, "prompt_ms": 2.0})]
     assert released == ["scheduler"]

@@ -8,12 +8,13 @@ from typing import Any
 
 from server_fakes import Harness, Script
 
+from elbowroom.engines.requests import TextRequest
 from elbowroom.errors import InsufficientMemory, RunnerCrashed
 
 HI = [{"role": "user", "content": "Hi"}]
 
 
-def test_chat_reaches_the_runner_as_openai_fields(harness: Harness) -> None:
+def test_chat_reaches_the_runner_as_a_text_request(harness: Harness) -> None:
     r = harness.client.post(
         "/api/chat",
         json={
@@ -32,12 +33,25 @@ def test_chat_reaches_the_runner_as_openai_fields(harness: Harness) -> None:
     assert body["done"] is True and body["done_reason"] == "stop"
     assert body["prompt_eval_count"] == 7 and body["eval_count"] == 3
     assert body["total_duration"] > 0
-    kind, payload = harness.scheduler.requests[0]
-    assert kind == "chat"
-    assert payload["messages"] == [{"role": "user", "content": "Hi"}]
-    assert payload["temperature"] == 0 and payload["max_tokens"] == 5 and payload["seed"] == 1
-    assert payload["response_format"] == {"type": "json_object"}
+    kind, text = harness.scheduler.requests[0]
+    assert kind == "chat" and isinstance(text, TextRequest)
+    assert text.messages == ({"role": "user", "content": "Hi"},)
+    assert text.temperature == 0 and text.max_tokens == 5 and text.seed == 1
+    assert text.response_format == {"type": "json_object"}
     assert harness.scheduler.uses == [("smollm2-135m", 60.0)]
+
+
+def test_num_predict_is_clamped_to_the_cap_as_openais_max_tokens(harness: Harness) -> None:
+    """No limit (-1), none sent, or more than the cap: every request generates at most
+    max_tokens_cap tokens, the same clamp as the OpenAI routes'."""
+    for options in ({"num_predict": -1}, {}, {"num_predict": 1 << 30}, {"num_predict": 7}):
+        r = harness.client.post(
+            "/api/generate",
+            json={"model": "smollm2-135m", "prompt": "Hi", "stream": False, "options": options},
+        )
+        assert r.status_code == 200, r.text
+    caps = [text.max_tokens for _, text in harness.scheduler.requests]
+    assert caps == [4096, 4096, 4096, 7]
 
 
 def test_chat_streams_ndjson(harness: Harness) -> None:
@@ -63,10 +77,10 @@ def test_generate_templates_the_prompt_unless_raw(harness: Harness) -> None:
         json={"model": "smollm2-135m", "prompt": "1, 2,", "raw": True, "stream": False},
     )
     assert raw.status_code == 200
-    kinds = [(k, p.get("prompt"), p.get("messages")) for k, p in harness.scheduler.requests]
+    kinds = [(k, p.prompt, p.messages) for k, p in harness.scheduler.requests]
     assert kinds == [
-        ("chat", None, [{"role": "user", "content": "Hi"}]),
-        ("completion", "1, 2,", None),
+        ("chat", "", ({"role": "user", "content": "Hi"},)),
+        ("completion", "1, 2,", ()),
     ]
 
 

@@ -4,6 +4,7 @@ client), and a 400 naming the param for everything we do not accept."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -11,6 +12,7 @@ import openai
 import pytest
 from server_fakes import Harness
 
+from elbowroom.engines.requests import TextRequest
 from elbowroom.server.schemas import SEED_MODULUS
 
 USER = [{"role": "user", "content": "Weather in Paris?"}]
@@ -76,17 +78,17 @@ def test_params_reach_the_engine_validated_and_converted(harness: Harness) -> No
         ),
     )
     assert r.status_code == 200, r.text
-    kind, payload = harness.scheduler.requests[0]
-    assert kind == "chat"
-    assert payload["tools"] == [WEATHER, TIME]
-    assert payload["tool_choice"] == {"type": "function", "function": {"name": "get_time"}}
-    assert payload["parallel_tool_calls"] is False
-    assert payload["response_format"] == {"type": "text"}
+    kind, text = harness.scheduler.requests[0]
+    assert kind == "chat" and isinstance(text, TextRequest)
+    assert text.tools == (WEATHER, TIME)
+    assert text.tool_choice == {"type": "function", "function": {"name": "get_time"}}
+    assert text.parallel_tool_calls is False
+    assert text.response_format == {"type": "text"}
     # top_logprobs 0 makes the engine send no logprobs at all: it is asked for one.
-    assert payload["logprobs"] is True and payload["top_logprobs"] == 1
-    assert payload["seed"] == big_seed % SEED_MODULUS
-    assert payload["presence_penalty"] == 1.5 and payload["frequency_penalty"] == -0.5
-    assert payload["logit_bias"] == {"42": -100, "7": 3.5}
+    assert text.logprobs == 1
+    assert text.seed == big_seed % SEED_MODULUS
+    assert text.presence_penalty == 1.5 and text.frequency_penalty == -0.5
+    assert text.logit_bias == {"42": -100, "7": 3.5}
     # The answer still has no alternatives, as asked.
     assert r.json()["choices"][0]["logprobs"] == {"content": [], "refusal": None}
 
@@ -103,9 +105,9 @@ def test_json_schema_and_tool_turns_reach_the_engine_as_openai_dicts(harness: Ha
         "/v1/chat/completions", json=chat(messages=messages, response_format=fmt)
     )
     assert r.status_code == 200, r.text
-    payload = harness.scheduler.requests[0][1]
-    assert payload["response_format"] == fmt
-    assert payload["messages"][1:] == [
+    text = harness.scheduler.requests[0][1]
+    assert text.response_format == fmt
+    assert list(text.messages[1:]) == [
         {"role": "assistant", "content": None, "tool_calls": [CALL]},
         {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
     ]
@@ -202,13 +204,13 @@ def test_completion_legacy_logprobs_whole_and_streamed(harness: Harness) -> None
     script.done_extra = {"logprobs": entries}
     c = client_for(harness)
     out = c.completions.create(model="smollm2-135m", prompt="x", logprobs=2)
-    assert harness.scheduler.requests[-1][1]["logprobs"] == 2
+    assert harness.scheduler.requests[-1][1].logprobs == 2
     lp = out.choices[0].logprobs
     assert lp is not None and lp.tokens == ["Hel", "lo"] and lp.text_offset == [0, 3]
     assert lp.top_logprobs == [{"Hel": -0.1, "x": -1.1}, {"lo": -0.2, "x": -1.2}]
     # Streamed: the fake runner sends the logprobs only with the result (see above).
     chunks = list(c.completions.create(model="smollm2-135m", prompt="x", logprobs=0, stream=True))
-    assert harness.scheduler.requests[-1][1]["logprobs"] == 1
+    assert harness.scheduler.requests[-1][1].logprobs == 1
     got = [
         t for ch in chunks if ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens or ()
     ]
@@ -234,8 +236,8 @@ IGNORED = {
 def test_harmless_openai_params_are_accepted_and_go_nowhere(harness: Harness) -> None:
     r = harness.client.post("/v1/chat/completions", json=chat(**IGNORED))
     assert r.status_code == 200, r.text
-    payload = harness.scheduler.requests[0][1]
-    assert not set(IGNORED) & set(payload)
+    text = harness.scheduler.requests[0][1]
+    assert not set(IGNORED) & {f.name for f in dataclasses.fields(text)}
 
 
 def bad(body: dict[str, Any], param: str | None, fragment: str) -> tuple[Any, ...]:

@@ -9,6 +9,7 @@ import openai
 import pytest
 from server_fakes import Harness
 
+from elbowroom.engines.requests import TextRequest
 from elbowroom.errors import (
     ContextOverflow,
     InsufficientMemory,
@@ -57,13 +58,13 @@ def test_chat_non_streaming(harness: Harness) -> None:
     assert out.usage is not None and out.usage.total_tokens == 10
     assert out.usage.prompt_tokens_details is not None
     assert out.usage.prompt_tokens_details.cached_tokens == 2
-    kind, payload = harness.scheduler.requests[0]
-    assert kind == "chat"
-    assert payload["messages"] == [
+    kind, text = harness.scheduler.requests[0]
+    assert kind == "chat" and isinstance(text, TextRequest)
+    assert text.messages == (
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi"},
-    ]
-    assert payload["max_tokens"] == 5 and payload["stop"] == ["\n"] and payload["seed"] == 3
+    )
+    assert text.max_tokens == 5 and text.stop == ("\n",) and text.seed == 3
     assert harness.scheduler.released == [None] and harness.scheduler.closed == 1
 
 
@@ -101,11 +102,11 @@ def test_stream_ends_with_done_and_max_completion_tokens_wins(harness: Harness) 
     events = sse_events(r.text)
     assert events[-1] == "[DONE]"
     assert "usage" not in json.loads(events[1])
-    assert harness.scheduler.requests[0][1]["max_tokens"] == 4
+    assert harness.scheduler.requests[0][1].max_tokens == 4
 
 
-@pytest.mark.parametrize("asked", [4097, 16384, 1 << 20])
-def test_max_tokens_above_the_cap_is_clamped_to_it(harness: Harness, asked: int) -> None:
+@pytest.mark.parametrize("asked", [4097, 16384, 1 << 20, None])
+def test_max_tokens_above_the_cap_or_unset_is_the_cap(harness: Harness, asked: int | None) -> None:
     r = harness.client.post(
         "/v1/chat/completions",
         json={
@@ -115,7 +116,7 @@ def test_max_tokens_above_the_cap_is_clamped_to_it(harness: Harness, asked: int)
         },
     )
     assert r.status_code == 200
-    assert harness.scheduler.requests[0][1]["max_tokens"] == 4096  # max_tokens_cap
+    assert harness.scheduler.requests[0][1].max_tokens == 4096  # max_tokens_cap
 
 
 def test_completions_both_ways(harness: Harness) -> None:
@@ -125,19 +126,7 @@ def test_completions_both_ways(harness: Harness) -> None:
     assert out.choices[0].text == "Hello!"
     assert harness.scheduler.requests[0] == (
         "completion",
-        {
-            "prompt": "Once",
-            "max_tokens": 3,
-            "temperature": None,
-            "top_p": None,
-            "seed": None,
-            "stop": [],
-            "presence_penalty": None,
-            "frequency_penalty": None,
-            "logit_bias": None,
-            "cache_salt": None,
-            "logprobs": None,
-        },
+        TextRequest(kind="completion", prompt="Once", max_tokens=3),
     )
     harness.scheduler.script.finish_reason = "length"
     pieces = list(c.completions.create(model="smollm2-135m", prompt="Once", stream=True))

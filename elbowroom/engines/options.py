@@ -1,0 +1,70 @@
+"""PURE: what a runner's engine is loaded with — one frozen options object per engine kind.
+
+The scheduler builds them (``scheduler/sizing.start_options``; a split model's in
+``cluster/router.py`` and ``cluster/splitter.py``); they travel pickled with the spec to
+the runner process and reach ``Engine.load`` as they are. Each engine takes its own kind
+and refuses another (``expect``), so a key the engine does not read cannot be set, and
+mypy checks every reader and writer.
+
+- ``EngineOptions``: what every engine reads (whisper, pocketsphinx, piper and onnx-embed
+  read nothing more);
+- ``LlamaOptions``: the LLM engine (engines/llama.py): context, slots, KV cache, offload;
+- ``RpcLlamaOptions``: a model split over nodes (engines/llama_rpc.py, docs/cluster.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from elbowroom.errors import EngineError
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineOptions:
+    threads: int | None = None  # None: the engine's own default
+    log_level: str = "info"  # set by the supervisor from the settings of its machine
+
+
+@dataclass(frozen=True, slots=True)
+class Offload:
+    """Where an LLM's layers go (scheduler/placement.py decides)."""
+
+    n_gpu_layers: int = 0
+    # The GPUs the engine may see, by NVML (PCI) index; () hides them all (the CPU alone);
+    # None leaves the process's view alone (no GPU pools, or unified memory).
+    devices: tuple[int, ...] | None = None
+    tensor_split: tuple[float, ...] | None = None  # layers per device, with several devices
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LlamaOptions(EngineOptions):
+    n_ctx: int = 2048  # tokens per slot
+    slots: int = 1  # parallel sequences
+    kv_type: str = "f16"  # config.KV_TYPES
+    mlock: bool = False  # lock the weights in RAM
+    cache_ram_bytes: int = 0  # the engine's RAM prompt cache: a grant from the budget
+    kv_cache: bool = True  # the KV disk tier (kvcache/), with kv_cache_dir and kv_disk_max
+    kv_cache_dir: str | None = None
+    kv_disk_max: int = 0
+    kv_block_tokens: int = 64
+    offload: Offload = field(default_factory=Offload)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RpcLlamaOptions(LlamaOptions):
+    rpc_servers: tuple[str, ...] = ()  # host:port of each node's rpc-server, in split order
+    rpc_split: tuple[int, ...] = ()  # layers per RPC server, same order
+    llama_server: str | None = None  # the RPC-enabled llama-server binary; None: the default
+
+
+_Kind = TypeVar("_Kind", bound=EngineOptions)
+
+
+def expect(options: EngineOptions, kind: type[_Kind], engine: str) -> _Kind:
+    """``options`` as the kind ``engine`` is loaded with, or an EngineError naming both."""
+    if not isinstance(options, kind):
+        raise EngineError(
+            f"the {engine} engine is loaded with {kind.__name__}, not {type(options).__name__}"
+        )
+    return options
