@@ -239,7 +239,7 @@ def link_gemma(home: Path) -> None:
 
 
 def start_server(
-    home: Path, idle: float, trace: Path | None = None
+    home: Path, idle: float, trace: Path | None = None, extra_env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen[bytes], str]:
     link_gemma(home)
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELBOWROOM_")}
@@ -251,6 +251,7 @@ def start_server(
         ELBOWROOM_KEEP_ALIVE=str(idle),
         PYTHONUNBUFFERED="1",
     )
+    env.update(extra_env or {})
     entry = ["-m", "elbowroom"]
     if trace is not None:
         env["SOAK_TRACE_DIR"] = str(trace)
@@ -296,11 +297,19 @@ def main() -> None:
         type=Path,
         help="run the server under soak_trace.py; heap probes at each sample land in DIR",
     )
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set in the server's environment (e.g. ELBOWROOM_TRIM_WHEN_IDLE=false)",
+    )
     args = parser.parse_args()
+    extra_env = dict(item.split("=", 1) for item in args.env)
 
     home = Path(tempfile.mkdtemp(prefix="elbowroom-soak-"))
     load_start = os.getloadavg()
-    server, url = start_server(home, args.idle, args.trace)
+    server, url = start_server(home, args.idle, args.trace, extra_env)
     began = time.monotonic()
 
     def take() -> dict[str, Any]:
@@ -391,7 +400,8 @@ def report(r: dict[str, Any]) -> str:
         + f". Each round: {s['requests']} requests at concurrency {s['concurrency']}, "
         "round-robin over chat, chat stream, stream cancelled after its first chunk, "
         "transcription, speech and embeddings (official openai client), then every runner "
-        f"idles out. Baseline: after a warm-up of {s['warmup']} requests and its idle-out.",
+        f"idles out. Baseline: after a warm-up of {s['warmup']} requests and its idle-out."
+        + (f" Server environment: {', '.join(s['env'])}." if s.get("env") else ""),
         "",
         f"Machine: {r['machine']['arch']}, {r['machine']['cpus']} CPUs, Python "
         f"{r['machine']['python']}; load average {r['machine']['load_start']} at start, "
