@@ -54,10 +54,38 @@ from elbowroom.units import MiB, format_size
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 MEMORY_TOLERANCE = 0.05
+RING_SAMPLES = 600  # monitor_history / monitor_interval at their defaults
 THREAD_SLACK = 8  # idle executor workers a round may leave (bounded by the pool, not a leak)
 SENTENCE = "The quick brown fox jumps over the lazy dog, and memory comes back when idle."
 KINDS = ("chat", "stream", "cancel", "transcribe", "speak", "embed")
 _LISTENING = re.compile(r"elbowroom listening on (http://\S+)")
+
+
+def ring_sample_bytes(samples: int = 200) -> int:
+    """Bytes one sample in the memory monitor's ring buffer holds, measured here with the
+    server's own code and this machine's probe (tracemalloc over ``samples`` recorded)."""
+    import gc
+    import tracemalloc
+
+    from elbowroom.config import Settings
+    from elbowroom.memory.monitor import Monitor
+    from elbowroom.memory.probe import default_probe
+
+    settings = Settings()
+    monitor = Monitor.from_settings(
+        settings, default_probe(settings), own_usage=lambda: 60 * MiB, history_seconds=1e6
+    )
+    monitor.sample_now()  # first-call caches (the probe's paths, the cgroup) out of the count
+    tracemalloc.start()
+    try:
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(samples):
+            monitor.sample_now()
+        gc.collect()
+        return (tracemalloc.get_traced_memory()[0] - before) // samples
+    finally:
+        tracemalloc.stop()
 
 
 def fd_kinds(pid: int) -> dict[str, int]:
@@ -209,6 +237,13 @@ def idle_out(url: str, timeout: float) -> float:
     return round(time.monotonic() - began, 1)
 
 
+def ring_growth(base: dict[str, Any], after: dict[str, Any], sample_bytes: int) -> int:
+    """Bytes the monitor's ring buffer gained between two samples (an estimate: one sample
+    a second, at most RING_SAMPLES): bounded by design, and counted in the totals."""
+    held = [min(RING_SAMPLES, m["uptime"]) for m in (base, after)]
+    return (held[1] - held[0]) * sample_bytes
+
+
 def judge(base: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     delta = after["anonymous"] - base["anonymous"]
     checks = {
@@ -308,6 +343,7 @@ def main() -> None:
     extra_env = dict(item.split("=", 1) for item in args.env)
 
     home = Path(tempfile.mkdtemp(prefix="elbowroom-soak-"))
+    ring_bytes = ring_sample_bytes()
     load_start = os.getloadavg()
     server, url = start_server(home, args.idle, args.trace, extra_env)
     began = time.monotonic()
@@ -344,6 +380,7 @@ def main() -> None:
             probe()
             rounds.append({"round": r, **ran, "idle_out_seconds": idle, "after": after})
             rounds[-1].update(judge(base, after))
+            rounds[-1]["ring_growth_estimate"] = ring_growth(base, after, ring_bytes)
             print(f"round {r}: {ran['ok']}/{ran['requests']} ok, {rounds[-1]['delta_percent']} %")
     finally:
         server.send_signal(signal.SIGTERM)
@@ -365,6 +402,7 @@ def main() -> None:
         },
         "models": models,
         "settings": vars(args),
+        "ring_sample_bytes": ring_bytes,
         "cold": cold,
         "warmup": {**warm, "idle_out_seconds": warm_idle},
         "baseline": base,
@@ -407,13 +445,14 @@ def report(r: dict[str, Any]) -> str:
         f"{r['machine']['python']}; load average {r['machine']['load_start']} at start, "
         f"{r['machine']['load_end']} at the end.",
         "",
-        "| moment | uptime | anonymous (tree) | server anonymous | fds | threads | children |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| moment | uptime | anonymous (tree) | server anonymous | of it the monitor ring "
+        "since the baseline (est.) | fds | threads | children |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
         f"| cold start | {r['cold']['uptime']} s | {mib(r['cold']['anonymous'])} | "
-        f"{mib(r['cold']['server_anonymous'])} | {r['cold']['fds']} | {r['cold']['threads']} "
+        f"{mib(r['cold']['server_anonymous'])} | | {r['cold']['fds']} | {r['cold']['threads']} "
         f"| {len(r['cold']['children'])} |",
         f"| baseline (warm, idle) | {base['uptime']} s | {mib(base['anonymous'])} | "
-        f"{mib(base['server_anonymous'])} | {base['fds']} | {base['threads']} | "
+        f"{mib(base['server_anonymous'])} | | {base['fds']} | {base['threads']} | "
         f"{len(base['children'])} |",
     ]
     for x in r["rounds"]:
@@ -421,8 +460,8 @@ def report(r: dict[str, Any]) -> str:
         lines.append(
             f"| after round {x['round']} ({x['ok']}/{x['requests']} ok, {x['seconds']} s; "
             f"idle-out {x['idle_out_seconds']} s) | {a['uptime']} s | {mib(a['anonymous'])} | "
-            f"{mib(a['server_anonymous'])} | {a['fds']} | {a['threads']} | "
-            f"{len(a['children'])} |"
+            f"{mib(a['server_anonymous'])} | {mib(x['ring_growth_estimate'])} | {a['fds']} | "
+            f"{a['threads']} | {len(a['children'])} |"
         )
     kinds = ", ".join(f"{k} {v}" for k, v in base["fd_kinds"].items())
     changed = []
@@ -439,6 +478,12 @@ def report(r: dict[str, Any]) -> str:
         "",
         f"The server's fds by kind at the baseline: {kinds}; "
         + ("after every round the same." if not changed else "differing: " + "; ".join(changed)),
+        "",
+        f"The memory monitor keeps one sample a second for monitor_history (600 s): "
+        f"{r['ring_sample_bytes']:,} bytes a sample, measured with the server's code here, "
+        f"{mib(RING_SAMPLES * r['ring_sample_bytes'])} when full. It fills during the first "
+        "ten minutes whatever the requests; its growth since the baseline is estimated from "
+        "the uptime and counted in the totals like everything else.",
         "",
         f"Anonymous bytes after each round vs the baseline: {spread} (target within "
         f"{MEMORY_TOLERANCE:.0%}); fds and children no more than the baseline; threads at most "
