@@ -330,8 +330,8 @@ async def embed(request: Request, body: shapes.EmbedBody) -> JSONResponse:
         async with services.scheduler.use(spec.id, keep_alive=keep_alive):
             pass
         return JSONResponse({"model": body.model, "embeddings": []})
-    inputs = check_inputs(body.input, services.settings.max_embedding_inputs)
-    result = await run_once(services.scheduler, spec.id, keep_alive, "embed", {"inputs": inputs})
+    payload = check_inputs(body.input, services.settings.max_embedding_inputs)
+    result = await run_once(services.scheduler, spec.id, keep_alive, "embed", payload)
     vectors: list[list[float]] = result["embeddings"]
     if body.dimensions is not None and vectors and body.dimensions != len(vectors[0]):
         raise BadRequest(
@@ -361,6 +361,6 @@ async def embeddings(request: Request, body: shapes.EmbeddingsBody) -> JSONRespo
         async with services.scheduler.use(spec.id, keep_alive=keep_alive):
             pass
         return JSONResponse({"embedding": []})
-    inputs = check_inputs(body.prompt, 1)
-    result = await run_once(services.scheduler, spec.id, keep_alive, "embed", {"inputs": inputs})
+    payload = check_inputs(body.prompt, 1)
+    result = await run_once(services.scheduler, spec.id, keep_alive, "embed", payload)
     return JSONResponse({"embedding": result["embeddings"][0]})

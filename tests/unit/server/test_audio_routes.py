@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.testclient import TestClient
 
 from elbowroom.config import Settings
+from elbowroom.engines.requests import SpeechRequest, TranscribeRequest
 from elbowroom.errors import BadRequest, ModelNotFound, PayloadTooLarge
 from elbowroom.models.spec import Holding, ModelKind, ModelSpec
 from elbowroom.server import transcript_formats as tf
@@ -49,7 +50,7 @@ class Scheduler:
     """Answers each op with a canned result and records what reached it."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[str, str, dict[str, Any]]] = []
+        self.calls: list[tuple[str, str, Any]] = []
         self.seen_files: list[bytes] = []
 
     @asynccontextmanager
@@ -61,10 +62,10 @@ class _Runner:
     def __init__(self, scheduler: Scheduler, model_id: str) -> None:
         self.s, self.model_id = scheduler, model_id
 
-    async def request(self, op: str, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def request(self, op: str, payload: Any) -> AsyncIterator[dict[str, Any]]:
         self.s.calls.append((self.model_id, op, payload))
         if op == "transcribe":
-            self.s.seen_files.append(Path(payload["audio_path"]).read_bytes())
+            self.s.seen_files.append(Path(payload.audio_path).read_bytes())
             segments = [
                 {"id": 0, "start": 0.0, "end": 1.5, "text": " Hello there."},
                 {"id": 1, "start": 1.5, "end": 3725.5, "text": " General Kenobi."},
@@ -104,7 +105,7 @@ def test_transcription_passes_a_temp_file_and_removes_it(
     app_parts: tuple[TestClient, Scheduler],
 ) -> None:
     client, scheduler = app_parts
-    r = transcribe(client, {"model": "whisper-1", "language": "en", "temperature": "0.3"})
+    r = transcribe(client, {"model": "whisper-1", "language": " EN ", "temperature": "0.3"})
     assert r.status_code == 200, r.text
     assert r.json() == {
         "text": "Hello there. General Kenobi.",
@@ -112,10 +113,12 @@ def test_transcription_passes_a_temp_file_and_removes_it(
     }
     model, op, payload = scheduler.calls[0]
     assert (model, op) == ("whisper-tiny.en", "transcribe")  # the alias resolved
-    assert payload["language"] == "en" and payload["temperature"] == 0.3
+    # The engine's typed request, the language normalized here (the engine checks nothing).
+    assert isinstance(payload, TranscribeRequest)
+    assert payload.language == "en" and payload.temperature == 0.3 and payload.prompt is None
     assert scheduler.seen_files == [b"audio!"]
-    assert payload["audio_path"].endswith(".wav")
-    assert not Path(payload["audio_path"]).exists()
+    assert payload.audio_path.endswith(".wav")
+    assert not Path(payload.audio_path).exists()
 
 
 @pytest.mark.parametrize(
@@ -208,7 +211,7 @@ def test_speech_returns_audio_bytes(app_parts: tuple[TestClient, Scheduler]) -> 
         (
             "piper-en-us-joe",
             "speech",
-            {"input": "Hi there", "voice": "alloy", "speed": 1.5, "response_format": "wav"},
+            SpeechRequest(input="Hi there", voice="alloy", speed=1.5, response_format="wav"),
         )
     ]
 

@@ -13,6 +13,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from elbowroom.config import Settings
+from elbowroom.engines.requests import EmbedRequest
 from elbowroom.errors import ModelNotFound
 from elbowroom.models.spec import Holding, ModelKind, ModelSpec
 from elbowroom.server.app import create_app
@@ -49,15 +50,15 @@ class Catalog:
 
 class Scheduler:
     def __init__(self) -> None:
-        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.calls: list[tuple[str, EmbedRequest]] = []
 
     @asynccontextmanager
     async def use(self, model_id: str, keep_alive: float | None = None) -> AsyncIterator[Any]:
         yield self
 
-    async def request(self, op: str, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def request(self, op: str, payload: EmbedRequest) -> AsyncIterator[dict[str, Any]]:
         self.calls.append((op, payload))
-        n = len(payload["inputs"])
+        n = len(payload.inputs)
         yield {"type": "done", "embeddings": VECTORS[:n], "prompt_tokens": 5 * n}
 
 
@@ -81,7 +82,7 @@ def test_float_and_base64_encodings(parts: tuple[TestClient, Scheduler]) -> None
     b64 = client.post("/v1/embeddings", json={**body, "encoding_format": "base64"}).json()
     raw = base64.b64decode(b64["data"][1]["embedding"])
     assert struct.unpack("<3f", raw) == pytest.approx(VECTORS[1])
-    assert scheduler.calls[0] == ("embed", {"inputs": ["a", "b"]})
+    assert scheduler.calls[0] == ("embed", EmbedRequest(inputs=("a", "b")))
 
 
 def test_base64_is_little_endian_float32() -> None:
