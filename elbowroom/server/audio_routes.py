@@ -16,6 +16,7 @@ from elbowroom.errors import BadRequest
 from elbowroom.models.spec import ModelKind
 from elbowroom.server import transcript_formats as tf
 from elbowroom.server.deps import get_services, parse_keep_alive
+from elbowroom.server.metrics import record_model
 from elbowroom.server.model_calls import (
     SPEECH_ALIASES,
     TRANSCRIPTION_ALIASES,
@@ -40,6 +41,7 @@ async def transcriptions(request: Request) -> Response:
             TRANSCRIPTION_ALIASES,
             "/v1/audio/transcriptions",
         )
+        record_model(request, spec)
         response_format = _transcription_options(form)
         language = (form.get("language") or "").strip().lower()
         payload = TranscribeRequest(
@@ -128,6 +130,7 @@ async def speech(request: Request, body: SpeechBody) -> Response:
     spec = resolve_model(
         services.catalog, body.model, ModelKind.TTS, SPEECH_ALIASES, "/v1/audio/speech"
     )
+    record_model(request, spec)
     voice = body.voice.get("id") if isinstance(body.voice, dict) else body.voice
     payload = SpeechRequest(
         input=body.input,

@@ -17,6 +17,7 @@ from elbowroom.engines.requests import EmbedRequest
 from elbowroom.errors import BadRequest
 from elbowroom.models.spec import ModelKind
 from elbowroom.server.deps import get_services, parse_keep_alive
+from elbowroom.server.metrics import record_model
 from elbowroom.server.model_calls import EMBEDDING_ALIASES, resolve_model, run_once
 
 router = APIRouter(prefix="/v1")
@@ -75,6 +76,7 @@ async def embeddings(request: Request, body: EmbeddingsRequest) -> JSONResponse:
     spec = resolve_model(
         services.catalog, body.model, ModelKind.EMBEDDING, EMBEDDING_ALIASES, "/v1/embeddings"
     )
+    record_model(request, spec)
     keep_alive = parse_keep_alive(body.keep_alive)
     result = await run_once(services.scheduler, spec.id, keep_alive, "embed", payload)
     vectors: list[list[float]] = result["embeddings"]

@@ -23,6 +23,7 @@ from elbowroom.models.spec import Holding, ModelKind, ModelSpec
 from elbowroom.server import transcript_formats as tf
 from elbowroom.server.app import create_app
 from elbowroom.server.deps import Services
+from elbowroom.server.metrics import METRICS
 from elbowroom.server.model_calls import TRANSCRIPTION_ALIASES, resolve_model
 from elbowroom.server.uploads import receive_form
 
@@ -105,8 +106,12 @@ def test_transcription_passes_a_temp_file_and_removes_it(
     app_parts: tuple[TestClient, Scheduler],
 ) -> None:
     client, scheduler = app_parts
+    labels = {"endpoint": "transcriptions", "model": "whisper-tiny.en", "status": "200"}
+    before = METRICS.registry.get_sample_value("elbowroom_requests_total", labels) or 0.0
     r = transcribe(client, {"model": "whisper-1", "language": " EN ", "temperature": "0.3"})
     assert r.status_code == 200, r.text
+    # The metric's model label is what the route resolved the alias to (not the form field).
+    assert METRICS.registry.get_sample_value("elbowroom_requests_total", labels) == before + 1
     assert r.json() == {
         "text": "Hello there. General Kenobi.",
         "usage": {"type": "duration", "seconds": 3726},
