@@ -15,6 +15,7 @@ import pytest
 from elbowroom.config import Settings, load_settings
 from elbowroom.engines.options import EngineOptions
 from elbowroom.engines.piper import PiperEngine
+from elbowroom.engines.requests import SpeechRequest
 from elbowroom.models.bundled import bundled_specs
 from elbowroom.models.spec import GGUFInfo, ModelSpec
 
@@ -48,7 +49,10 @@ def speak(text: str, *formats: str) -> list[bytes]:
     try:
         return [
             voice.run(
-                "speech", {"input": text, "response_format": fmt}, lambda _: None, lambda: False
+                "speech",
+                SpeechRequest(input=text, response_format=fmt),
+                lambda _: None,
+                lambda: False,
             )["audio"]
             for fmt in formats
         ]

@@ -42,6 +42,18 @@ def _ray_errors() -> tuple[type[BaseException], ...]:
     return (rex.RayActorError, rex.ActorDiedError, rex.ActorUnavailableError, rex.NodeDiedError)
 
 
+async def watch_exit(node: Node, key: str, exited: Callable[[str], None]) -> None:
+    """Wait for the process ``key`` on ``node`` to end and report its cause to ``exited``
+    (a runner and a split's share alike); a node that is gone is marked so instead."""
+    try:
+        cause = await node.agent.wait_exit.remote(key)
+    except _ray_errors() as exc:
+        node.mark_gone(f"node {node.name} is gone ({type(exc).__name__})")
+        return
+    if cause is not None:
+        exited(f"{cause} on node {node.name}")
+
+
 def _task_error() -> type[BaseException]:
     import ray.exceptions as rex
 
@@ -191,17 +203,10 @@ class RemoteRunner:
             raise self._crashed(self._exit_cause or "stop requested", loading=True)
         self._state = RunnerState.READY
         self.node.reading.runners[self._key] = ready.measured
-        self._watch = asyncio.create_task(self._watch_exit(), name=f"watch-{self._key}")
+        self._watch = asyncio.create_task(
+            watch_exit(self.node, self._key, self._exited_now), name=f"watch-{self._key}"
+        )
         return ready
-
-    async def _watch_exit(self) -> None:
-        try:
-            cause = await self.node.agent.wait_exit.remote(self._key)
-        except _ray_errors() as exc:
-            self.node.mark_gone(f"node {self.node.name} is gone ({type(exc).__name__})")
-            return
-        if cause is not None:
-            self._exited_now(f"{cause} on node {self.node.name}")
 
     def node_gone(self, cause: str) -> None:
         self._exited_now(cause)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elbowroom.cluster.remote import Node, _ray_errors
+from elbowroom.cluster.remote import Node, _ray_errors, watch_exit
 from elbowroom.cluster.split_plan import SplitPlan
 from elbowroom.engines.options import EngineOptions
 from elbowroom.engines.requests import Payload
@@ -173,17 +173,10 @@ class ShareRunner:
         if self._state is not RunnerState.STARTING:  # its node died meanwhile
             raise self._crashed(self._exit_cause or "stopped")
         self._state = RunnerState.READY
-        self._watch = asyncio.create_task(self._watch_exit(), name=f"watch-{self._key}")
+        self._watch = asyncio.create_task(
+            watch_exit(self.node, self._key, self.node_gone), name=f"watch-{self._key}"
+        )
         return ReadyInfo(self._pid, time.monotonic() - began, measured, {"endpoint": self.endpoint})
-
-    async def _watch_exit(self) -> None:
-        try:
-            cause = await self.node.agent.wait_exit.remote(self._key)
-        except _ray_errors() as exc:
-            self.node.mark_gone(f"node {self.node.name} is gone ({type(exc).__name__})")
-            return
-        if cause is not None:
-            self.node_gone(f"{cause} on node {self.node.name}")
 
     def node_gone(self, cause: str) -> None:
         """The RPC server or its node died: a crash of this share, and the split is down."""

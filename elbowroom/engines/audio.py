@@ -1,4 +1,4 @@
-"""Audio helpers shared by the speech engines: the transcription payload, decoding, encoding.
+"""Audio helpers shared by the speech engines: decoding, encoding.
 
 Decoding uses PyAV (FFmpeg), the decoder faster-whisper itself uses, so WAV, MP3, FLAC, OGG,
 M4A, WebM, ... all work. It lives here rather than in faster-whisper's ``decode_audio`` so the
@@ -22,47 +22,6 @@ if TYPE_CHECKING:  # numpy is imported where used: the server imports FORMATS on
 # Decoded audio is held in memory (int16, then float32 for whisper): an hour at 16 kHz is
 # ~115 MB + ~230 MB. A 25 MB upload of low-bitrate Opus could otherwise decode to gigabytes.
 MAX_AUDIO_SECONDS = 3600.0
-
-
-@dataclass(frozen=True, slots=True)
-class TranscribeRequest:
-    audio_path: str
-    language: str | None
-    prompt: str | None
-    temperature: float | None
-
-    @staticmethod
-    def from_payload(payload: dict[str, Any]) -> TranscribeRequest:
-        path = payload.get("audio_path")
-        if not isinstance(path, str) or not path:
-            raise BadRequest("transcribe needs an audio_path", param="file")
-        language = payload.get("language") or None
-        if language is not None and not isinstance(language, str):
-            raise BadRequest("language must be a string such as 'en'", param="language")
-        prompt = payload.get("prompt") or None
-        if prompt is not None and not isinstance(prompt, str):
-            raise BadRequest("prompt must be a string", param="prompt")
-        temperature = payload.get("temperature")
-        if temperature is not None:
-            try:
-                temperature = float(temperature)
-            except (TypeError, ValueError) as exc:
-                raise BadRequest("temperature must be a number", param="temperature") from exc
-            if not 0.0 <= temperature <= 1.0:
-                raise BadRequest("temperature must be between 0 and 1", param="temperature")
-        return TranscribeRequest(
-            path, language.strip().lower() if language else None, prompt, temperature
-        )
-
-    def require_english(self) -> None:
-        """For a model that knows only English: any other language is a bad request (no
-        language means English)."""
-        if self.language not in (None, "en"):
-            raise BadRequest(
-                f"this model transcribes English only; language {self.language!r} is not "
-                "supported (use 'en' or leave language out)",
-                param="language",
-            )
 
 
 def _import_av() -> Any:

@@ -7,8 +7,10 @@ engine says otherwise), and ``close`` before exit. Errors raised from ``run`` sh
 ``raise ... from exc``); anything else reaches the client as a 500 EngineError.
 
 ``load`` takes the engine's options object (engines/options.py: ``LlamaOptions`` for the
-LLM engine, ``RpcLlamaOptions`` for a split one, ``EngineOptions`` for the rest). Ops and
-payloads:
+LLM engine, ``RpcLlamaOptions`` for a split one, ``EngineOptions`` for the rest). Every
+payload is a typed request from engines/requests.py, validated by the server; an engine
+takes its own type (``requests.expect``: anything else is a 400) and checks only what the
+server cannot know (a model's languages, the formats this FFmpeg encodes). Ops and payloads:
 
 - llama  ``chat``, ``completion``: an ``engines.requests.TextRequest`` (validated by the
          server); emits {"type": "delta", "text": str, ...} per piece; returns
@@ -16,11 +18,10 @@ payloads:
           {"prompt_tokens", "completion_tokens", "cached_tokens"}, ...}
          ``open``: a ``TextRequest`` the server streams from the engine itself;
          ``close``: a ``DirectClose`` (server/direct.py)
-- whisper, pocketsphinx ``transcribe``: {"audio_path": str, "language", "prompt",
-         "temperature"}; returns {"text", "language", "duration", "segments": [...]}
-- piper  ``speech``:      {"input", "voice", "speed", "response_format"}
-         returns {"audio": bytes, "content_type": str}
-- onnx-embed ``embed``:   {"inputs": [str, ...]}
+- whisper, pocketsphinx ``transcribe``: a ``TranscribeRequest``;
+         returns {"text", "language", "duration", "segments": [...]}
+- piper  ``speech``:      a ``SpeechRequest``; returns {"audio": bytes, "content_type": str}
+- onnx-embed ``embed``:   an ``EmbedRequest``;
          returns {"embeddings": [[float, ...], ...], "prompt_tokens": int}
 """
 

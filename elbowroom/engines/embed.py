@@ -14,7 +14,7 @@ import numpy as np
 
 from elbowroom.engines.base import Cancelled, Emit
 from elbowroom.engines.options import EngineOptions
-from elbowroom.engines.requests import Payload, fields
+from elbowroom.engines.requests import EmbedRequest, Payload, expect
 from elbowroom.errors import BadRequest, EngineError
 from elbowroom.models.spec import ModelSpec
 
@@ -119,13 +119,8 @@ class OnnxEmbedEngine:
             raise BadRequest(f"the embedding engine does not serve {op!r}; it serves 'embed'")
         if self._session is None:
             raise EngineError("the embedding engine is not loaded")
-        inputs = fields(op, payload).get("inputs")
-        if not isinstance(inputs, list) or not inputs:
-            raise BadRequest("inputs must be a non-empty list of strings", param="input")
-        for i, text in enumerate(inputs):
-            if not isinstance(text, str) or not text.strip():
-                raise BadRequest(f"input[{i}] must be a non-empty string", param="input")
-        encodings = self._tokenizer.encode_batch(inputs)
+        inputs = expect(op, payload, EmbedRequest).inputs
+        encodings = self._tokenizer.encode_batch(list(inputs))
         lengths = [len(e.ids) for e in encodings]
         result: list[np.ndarray | None] = [None] * len(inputs)
         for batch in plan_batches(lengths):

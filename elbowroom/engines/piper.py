@@ -15,37 +15,19 @@ import numpy as np
 from elbowroom.engines.audio import FORMATS, encode_audio, supported_formats
 from elbowroom.engines.base import Cancelled, Emit
 from elbowroom.engines.options import EngineOptions
-from elbowroom.engines.requests import Payload, fields
+from elbowroom.engines.requests import Payload, SpeechRequest, expect
 from elbowroom.errors import BadRequest, EngineError
 from elbowroom.models.spec import ModelSpec
 
-MIN_SPEED = 0.25  # OpenAI's range for ``speed``
-MAX_SPEED = 4.0
 
-
-def check_speed(value: Any) -> float:
-    if value is None:
-        return 1.0
-    try:
-        speed = float(value)
-    except (TypeError, ValueError) as exc:
-        raise BadRequest("speed must be a number", param="speed") from exc
-    if not MIN_SPEED <= speed <= MAX_SPEED:
-        raise BadRequest(
-            f"speed must be between {MIN_SPEED} and {MAX_SPEED}, not {speed}", param="speed"
-        )
-    return speed
-
-
-def check_format(value: Any, supported: tuple[str, ...]) -> str:
-    default = "mp3" if "mp3" in supported else "wav"  # OpenAI's default is mp3
-    fmt = value or default
+def check_format(fmt: str, supported: tuple[str, ...]) -> str:
+    """``fmt`` if this installation's FFmpeg encodes it (the server knows only the names)."""
     if fmt not in supported:
         raise BadRequest(
             f"response_format {fmt!r} is not supported; use one of: {', '.join(supported)}",
             param="response_format",
         )
-    return str(fmt)
+    return fmt
 
 
 class PiperEngine:
@@ -95,20 +77,16 @@ class PiperEngine:
             raise BadRequest(f"the piper engine does not serve {op!r}; it serves 'speech'")
         if self._voice is None:
             raise EngineError("the piper engine is not loaded")
-        req = fields(op, payload)
-        text = req.get("input")
-        if not isinstance(text, str) or not text.strip():
-            raise BadRequest("input must be non-empty text", param="input")
-        speed = check_speed(req.get("speed"))
-        fmt = check_format(req.get("response_format"), self._formats)
+        req = expect(op, payload, SpeechRequest)
+        fmt = check_format(req.response_format, self._formats)
         cfg = self._voice.config
         # OpenAI voice names (alloy, ...) have no piper equivalent: a multi-speaker voice
         # uses the named speaker if it has one, every other name gets the default speaker.
-        speaker = cfg.speaker_id_map.get(str(req.get("voice") or ""))
-        syn = self._syn_config(speaker_id=speaker, length_scale=cfg.length_scale / speed)
+        speaker = cfg.speaker_id_map.get(req.voice or "")
+        syn = self._syn_config(speaker_id=speaker, length_scale=cfg.length_scale / req.speed)
         pieces: list[np.ndarray] = []
         try:
-            for chunk in self._voice.synthesize(text, syn):  # one chunk per sentence
+            for chunk in self._voice.synthesize(req.input, syn):  # one chunk per sentence
                 pieces.append(chunk.audio_int16_array.reshape(-1))
                 if cancelled():
                     break

@@ -1,19 +1,25 @@
-"""PURE: the typed requests the server hands the LLM engine, across the runner pipe.
+"""PURE: the typed requests the server hands an engine, across the runner pipe.
 
-A chat or completion body is validated once, by the server's schemas (server/schemas.py),
-and turned into a ``TextRequest`` in one place (``server/text_calls.engine_request``, which
-also applies the one ``max_tokens`` clamp). The engine only translates it into llama.cpp's
-request (engines/llama.py ``_body``); it checks nothing again. Both objects are frozen and
-pickle across the runner pipe (and Ray, for a node's runner).
-
-The other engines' payloads (transcribe, speech, embed) are still plain dicts: ``Payload``
-is what ``Engine.run`` and ``Runner.request`` carry.
+Every body is validated once, in the server, and turned into one of these objects:
+- ``TextRequest`` (chat, completion, open): the server's schemas (server/schemas.py), built
+  in one place (``server/text_calls.engine_request``, which also applies the one
+  ``max_tokens`` clamp); the LLM engine translates it into llama.cpp's request
+  (engines/llama.py ``_body``);
+- ``TranscribeRequest`` (transcribe): the upload form, checked in server/audio_routes.py;
+- ``SpeechRequest`` (speech): the speech body (server/audio_routes.py);
+- ``EmbedRequest`` (embed): ``server/embeddings_routes.check_inputs``, for OpenAI's and
+  Ollama's routes.
+An engine checks nothing the server checked: it takes its own type (``expect``) and only
+translates. What the server cannot know stays the engine's: the languages a model speaks,
+the audio formats this installation's FFmpeg encodes, whether the file decodes. All are
+frozen and pickle across the runner pipe (and Ray, for a node's runner); ``Payload`` is
+what ``Engine.run`` and ``Runner.request`` carry.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from elbowroom.errors import BadRequest
 
@@ -57,11 +63,51 @@ class DirectClose:
     timings: dict[str, Any] | None = None  # the engine's prefill timings, for the cost model
 
 
-Payload = TextRequest | DirectClose | dict[str, Any]
+@dataclass(frozen=True, kw_only=True)
+class TranscribeRequest:
+    """Speech to text of one uploaded file (the server deletes it after the answer)."""
+
+    audio_path: str
+    language: str | None = None  # trimmed, lower case ("en"); None: the model detects it
+    prompt: str | None = None
+    temperature: float | None = None  # 0..1; None or 0: the engine's fallback schedule
+
+    def require_english(self) -> None:
+        """For a model that knows only English: any other language is a bad request (no
+        language means English)."""
+        if self.language not in (None, "en"):
+            raise BadRequest(
+                f"this model transcribes English only; language {self.language!r} is not "
+                "supported (use 'en' or leave language out)",
+                param="language",
+            )
 
 
-def fields(op: str, payload: Payload) -> dict[str, Any]:
-    """A dict payload (transcribe, speech, embed), or a BadRequest naming the op."""
-    if not isinstance(payload, dict):
-        raise BadRequest(f"{op!r} takes a dict payload, not a {type(payload).__name__}")
+@dataclass(frozen=True, kw_only=True)
+class SpeechRequest:
+    """Text to speech: ``input`` has text and is within ``max_speech_chars``."""
+
+    input: str
+    response_format: str  # one of engines/audio.FORMATS (the engine knows which it encodes)
+    speed: float = 1.0  # 0.25..4.0, OpenAI's range
+    voice: str | None = None  # a multi-speaker voice's speaker; other names: the default
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmbedRequest:
+    """Text embeddings: 1..max_embedding_inputs strings, each with text."""
+
+    inputs: tuple[str, ...]
+
+
+Payload = TextRequest | DirectClose | TranscribeRequest | SpeechRequest | EmbedRequest
+
+_P = TypeVar("_P", TextRequest, TranscribeRequest, SpeechRequest, EmbedRequest)
+
+
+def expect(op: str, payload: Payload, kind: type[_P]) -> _P:
+    """``payload`` as the engine's own request type, or a BadRequest naming both: an engine
+    translates a validated object and never parses a dict."""
+    if not isinstance(payload, kind):
+        raise BadRequest(f"{op!r} takes the typed {kind.__name__}, not a {type(payload).__name__}")
     return payload

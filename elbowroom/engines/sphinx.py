@@ -11,10 +11,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from elbowroom.engines.audio import MAX_AUDIO_SECONDS, TranscribeRequest, decode_audio
+from elbowroom.engines.audio import MAX_AUDIO_SECONDS, decode_audio
 from elbowroom.engines.base import Cancelled, Emit
 from elbowroom.engines.options import EngineOptions
-from elbowroom.engines.requests import Payload, fields
+from elbowroom.engines.requests import Payload, TranscribeRequest, expect
 from elbowroom.errors import BadRequest, EngineError
 from elbowroom.models.spec import ModelSpec
 
@@ -69,7 +69,7 @@ class SphinxEngine:
             raise BadRequest(f"the sphinx engine does not serve {op!r}; it serves 'transcribe'")
         if self._decoder is None:
             raise EngineError("the sphinx engine is not loaded")
-        req = TranscribeRequest.from_payload(fields(op, payload))
+        req = expect(op, payload, TranscribeRequest)
         req.require_english()
         samples = decode_audio(req.audio_path, SAMPLE_RATE, self._max_seconds)
         dec = self._decoder

@@ -6,10 +6,10 @@ from typing import Any
 
 import numpy as np
 
-from elbowroom.engines.audio import MAX_AUDIO_SECONDS, TranscribeRequest, decode_audio
+from elbowroom.engines.audio import MAX_AUDIO_SECONDS, decode_audio
 from elbowroom.engines.base import Cancelled, Emit
 from elbowroom.engines.options import EngineOptions
-from elbowroom.engines.requests import Payload, fields
+from elbowroom.engines.requests import Payload, TranscribeRequest, expect
 from elbowroom.errors import BadRequest, EngineError
 from elbowroom.models.spec import ModelSpec
 
@@ -44,7 +44,7 @@ class WhisperEngine:
             raise BadRequest(f"the whisper engine does not serve {op!r}; it serves 'transcribe'")
         if self._model is None:
             raise EngineError("the whisper engine is not loaded")
-        req = TranscribeRequest.from_payload(fields(op, payload))
+        req = expect(op, payload, TranscribeRequest)
         multilingual = bool(self._model.model.is_multilingual)
         if not multilingual:
             req.require_english()

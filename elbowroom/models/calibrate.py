@@ -272,6 +272,7 @@ else:
         importlib.import_module(name)
     stage("imported")  # the runtime before any weights: splits runtime from weights
     from elbowroom.models.spec import Holding, ModelKind, ModelSpec
+    from elbowroom.engines.requests import EmbedRequest, SpeechRequest, TranscribeRequest
     spec = ModelSpec(id="calibration", kind=ModelKind.ASR, engine=engine, path=Path(path),
                      size_bytes=0, holding=Holding.RESIDENT, source="calibrate", options=opts)
     eng = create_engine(engine)
@@ -285,13 +286,14 @@ else:
         with wave.open(str(wav), "wb") as out:
             out.setnchannels(1); out.setsampwidth(2); out.setframerate(16000)
             out.writeframes(tone(3, 3000).astype(np.int16).tobytes())
-        eng.run("transcribe", {"audio_path": str(wav)}, lambda _: None, lambda: False)
+        eng.run("transcribe", TranscribeRequest(audio_path=str(wav)), lambda _: None,
+                lambda: False)
     elif engine == "piper":
-        eng.run("speech", {"input": "Hello there, this is a short test sentence.",
-                           "response_format": "wav"}, lambda _: None, lambda: False)
+        eng.run("speech", SpeechRequest(input="Hello there, this is a short test sentence.",
+                                        response_format="wav"), lambda _: None, lambda: False)
     elif engine == "onnx-embed":
         inputs = ["a short sentence to embed, number %d" % i for i in range(8)]
-        eng.run("embed", {"inputs": inputs}, lambda _: None, lambda: False)
+        eng.run("embed", EmbedRequest(inputs=tuple(inputs)), lambda _: None, lambda: False)
     else:
         raise SystemExit("no calibration request for engine " + engine)
     stage("used")

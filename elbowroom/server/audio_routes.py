@@ -1,5 +1,6 @@
 """OpenAI audio routes: /v1/audio/transcriptions (speech to text), /v1/audio/speech (text to
-speech). Inputs are checked before a model is loaded, so a bad request costs no memory."""
+speech). Inputs are checked here, once, before a model is loaded (a bad request costs no
+memory), into the engine's typed request (engines/requests.py): the engine only translates."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from elbowroom.engines.audio import FORMATS
+from elbowroom.engines.requests import SpeechRequest, TranscribeRequest
 from elbowroom.errors import BadRequest
 from elbowroom.models.spec import ModelKind
 from elbowroom.server import transcript_formats as tf
 from elbowroom.server.deps import get_services, parse_keep_alive
+from elbowroom.server.metrics import record_model
 from elbowroom.server.model_calls import (
     SPEECH_ALIASES,
     TRANSCRIPTION_ALIASES,
@@ -38,13 +41,15 @@ async def transcriptions(request: Request) -> Response:
             TRANSCRIPTION_ALIASES,
             "/v1/audio/transcriptions",
         )
+        record_model(request, spec)
         response_format = _transcription_options(form)
-        payload = {
-            "audio_path": str(form.file.path),
-            "language": form.get("language") or None,
-            "prompt": form.get("prompt") or None,
-            "temperature": _temperature(form.get("temperature")),
-        }
+        language = (form.get("language") or "").strip().lower()
+        payload = TranscribeRequest(
+            audio_path=str(form.file.path),
+            language=language or None,
+            prompt=form.get("prompt") or None,
+            temperature=_temperature(form.get("temperature")),
+        )
         keep_alive = parse_keep_alive(form.get("keep_alive"))
         result = await run_once(services.scheduler, spec.id, keep_alive, "transcribe", payload)
     if response_format == "text":
@@ -89,7 +94,7 @@ def _temperature(raw: str | None) -> float | None:
     return value
 
 
-class SpeechRequest(BaseModel):
+class SpeechBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None  # None: what tts-1 maps to
     input: str
@@ -102,7 +107,7 @@ class SpeechRequest(BaseModel):
 
 
 @router.post("/audio/speech")
-async def speech(request: Request, body: SpeechRequest) -> Response:
+async def speech(request: Request, body: SpeechBody) -> Response:
     services = get_services(request)
     limit = services.settings.max_speech_chars
     if not body.input.strip():
@@ -125,13 +130,14 @@ async def speech(request: Request, body: SpeechRequest) -> Response:
     spec = resolve_model(
         services.catalog, body.model, ModelKind.TTS, SPEECH_ALIASES, "/v1/audio/speech"
     )
+    record_model(request, spec)
     voice = body.voice.get("id") if isinstance(body.voice, dict) else body.voice
-    payload = {
-        "input": body.input,
-        "voice": voice,
-        "speed": body.speed,
-        "response_format": body.response_format,
-    }
+    payload = SpeechRequest(
+        input=body.input,
+        response_format=body.response_format,
+        speed=body.speed,
+        voice=None if voice is None else str(voice),
+    )
     keep_alive = parse_keep_alive(body.keep_alive)
     result = await run_once(services.scheduler, spec.id, keep_alive, "speech", payload)
     return Response(content=result["audio"], media_type=str(result["content_type"]))

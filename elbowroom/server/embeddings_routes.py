@@ -1,4 +1,7 @@
-"""OpenAI /v1/embeddings: strings in, unit-length vectors out (float lists or base64)."""
+"""OpenAI /v1/embeddings: strings in, unit-length vectors out (float lists or base64).
+
+``check_inputs`` is the one check of the inputs (Ollama's routes use it too); it builds the
+engine's ``EmbedRequest`` (engines/requests.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +13,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
+from elbowroom.engines.requests import EmbedRequest
 from elbowroom.errors import BadRequest
 from elbowroom.models.spec import ModelKind
 from elbowroom.server.deps import get_services, parse_keep_alive
+from elbowroom.server.metrics import record_model
 from elbowroom.server.model_calls import EMBEDDING_ALIASES, resolve_model, run_once
 
 router = APIRouter(prefix="/v1")
@@ -28,8 +33,9 @@ class EmbeddingsRequest(BaseModel):
     keep_alive: int | float | str | None = None
 
 
-def check_inputs(raw: Any, limit: int) -> list[str]:
-    """A string or a list of non-empty strings, at most ``limit`` of them."""
+def check_inputs(raw: Any, limit: int) -> EmbedRequest:
+    """The engine's request: a string or a list of non-empty strings, at most ``limit`` of
+    them (the one check; OpenAI's and Ollama's routes share it)."""
     if raw is None:
         raise BadRequest("Missing required parameter: 'input'", param="input")
     items = [raw] if isinstance(raw, str) else raw
@@ -53,7 +59,7 @@ def check_inputs(raw: Any, limit: int) -> list[str]:
             "(ELBOWROOM_MAX_EMBEDDING_INPUTS)",
             param="input",
         )
-    return items
+    return EmbedRequest(inputs=tuple(items))
 
 
 def encode_base64(vector: list[float]) -> str:
@@ -64,14 +70,15 @@ def encode_base64(vector: list[float]) -> str:
 @router.post("/embeddings")
 async def embeddings(request: Request, body: EmbeddingsRequest) -> JSONResponse:
     services = get_services(request)
-    inputs = check_inputs(body.input, services.settings.max_embedding_inputs)
+    payload = check_inputs(body.input, services.settings.max_embedding_inputs)
     if body.dimensions is not None and body.dimensions < 1:
         raise BadRequest("dimensions must be a positive integer", param="dimensions")
     spec = resolve_model(
         services.catalog, body.model, ModelKind.EMBEDDING, EMBEDDING_ALIASES, "/v1/embeddings"
     )
+    record_model(request, spec)
     keep_alive = parse_keep_alive(body.keep_alive)
-    result = await run_once(services.scheduler, spec.id, keep_alive, "embed", {"inputs": inputs})
+    result = await run_once(services.scheduler, spec.id, keep_alive, "embed", payload)
     vectors: list[list[float]] = result["embeddings"]
     if body.dimensions is not None and vectors and body.dimensions != len(vectors[0]):
         raise BadRequest(

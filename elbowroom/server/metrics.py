@@ -9,7 +9,8 @@ Two kinds of numbers, kept apart on purpose:
   process-global default registry and other libraries stay out of it): requests by
   endpoint/model/status, latency and time-to-first-token histograms, 503/507 refusals by
   error type, tokens generated. ``MetricsMiddleware`` feeds most of them; routes call
-  ``record_tokens`` when a generation finishes.
+  ``record_model`` when they know the request's model (its label) and ``record_tokens``
+  when a generation finishes.
 
 docs/pressure.md lists every metric.
 """
@@ -36,7 +37,8 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from elbowroom.server.deps import CatalogService, Services
+from elbowroom.models.spec import ModelSpec
+from elbowroom.server.deps import Services
 
 log = logging.getLogger("elbowroom.server")
 
@@ -57,8 +59,6 @@ ENDPOINTS = {
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
 _STREAM_TYPES = (b"text/event-stream", b"application/x-ndjson")  # OpenAI's SSE, Ollama's NDJSON
-_BODY_PEEK = 64 * 1024  # bytes of a request body searched for its "model"
-_MODEL_LABEL_MAX = 64
 
 
 class Metrics:
@@ -367,13 +367,20 @@ async def guard_state(request: Request, events: int = 100) -> dict[str, Any]:
 # --- the request side -------------------------------------------------------------------
 
 
+def record_model(request: Request, spec: ModelSpec) -> None:
+    """The request's ``model`` label: the catalog id of the model its route resolved and
+    accepted. A route calls it once it knows the model; the middleware reads it."""
+    request.state.metrics_model = spec.id
+
+
 class MetricsMiddleware:
     """Times the API endpoints in ``ENDPOINTS`` and counts their statuses and refusals.
 
-    The model label comes from the request body (JSON ``model`` or a multipart ``model``
-    field, first 64 KiB), mapped onto the catalog (``model_label``): a catalog id, "unknown"
-    for any other name, "-" when the body names none. Labels never carry client strings, so
-    10,000 random names make one series, not 10,000.
+    The model label is what the route recorded (``record_model``: a catalog id, an OpenAI
+    alias such as ``whisper-1`` recorded as the model it maps to), on the request's ASGI
+    ``state``; "-" for a request no route accepted a model for (an unknown path or model,
+    a body too big, bad JSON, a model of the wrong kind). The body is never read here, and
+    labels never carry client strings: 10,000 random names make one series, not 10,000.
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -385,17 +392,13 @@ class MetricsMiddleware:
             await self.app(scope, receive, send)
             return
         began = time.perf_counter()
-        peek = bytearray()
+        # The state dict the route's Request.state writes to; made here if the server gave
+        # none, so scopes copied further in share it.
+        state: dict[str, Any] = scope.setdefault("state", {})
         status = 500
         streaming = False
         first: float | None = None
         error_body = bytearray()
-
-        async def tee_receive() -> Message:
-            msg = await receive()
-            if msg["type"] == "http.request" and len(peek) < _BODY_PEEK:
-                peek.extend(msg.get("body", b"")[: _BODY_PEEK - len(peek)])
-            return msg
 
         async def tee_send(msg: Message) -> None:
             nonlocal status, streaming, first
@@ -413,12 +416,10 @@ class MetricsMiddleware:
             await send(msg)
 
         try:
-            await self.app(scope, tee_receive, tee_send)
+            await self.app(scope, receive, tee_send)
         finally:
             try:
-                state = getattr(scope.get("app"), "state", None)
-                catalog = getattr(getattr(state, "services", None), "catalog", None)
-                model = model_label(model_from_body(bytes(peek)), catalog)
+                model = str(state.get("metrics_model", "-"))
                 self._observe(endpoint, model, status, streaming, began, first, error_body)
             except Exception:  # metrics must never break a response
                 log.exception("recording request metrics failed")
@@ -441,58 +442,6 @@ class MetricsMiddleware:
             m.latency.labels(model=model, endpoint=endpoint).observe(time.perf_counter() - began)
             if streaming and first is not None:
                 m.ttft.labels(model=model, endpoint=endpoint).observe(first - began)
-
-
-def model_from_body(peek: bytes) -> str:
-    """The ``model`` of a JSON or multipart request body, or "-" when it cannot be told."""
-    value: Any = None
-    text = peek.lstrip()
-    if text.startswith(b"{"):
-        try:
-            value = json.loads(text).get("model")
-        except (ValueError, AttributeError):
-            value = None  # truncated or not an object: leave it unlabelled
-    else:
-        marker = b'name="model"'
-        at = text.find(marker)
-        if at >= 0:
-            rest = text[at + len(marker) :]
-            start = rest.find(b"\r\n\r\n")
-            end = rest.find(b"\r\n", start + 4)
-            if start >= 0 and end > start:
-                value = rest[start + 4 : end].decode("utf-8", "replace")
-    if not isinstance(value, str) or not value or len(value) > _MODEL_LABEL_MAX:
-        return "-"
-    return value
-
-
-def model_label(name: str, catalog: CatalogService | None) -> str:
-    """``name`` as a metric label: the catalog id it is or aliases, else "unknown"."""
-    if name == "-":
-        return name
-    if catalog is None:
-        return "unknown"
-    if _known(catalog, name):
-        return name
-    from elbowroom.server.model_calls import (
-        EMBEDDING_ALIASES,
-        SPEECH_ALIASES,
-        TRANSCRIPTION_ALIASES,
-    )
-
-    for table in (TRANSCRIPTION_ALIASES, SPEECH_ALIASES, EMBEDDING_ALIASES):
-        for target in table.get(name, ()):
-            if _known(catalog, target):
-                return target
-    return "unknown"
-
-
-def _known(catalog: CatalogService, model_id: str) -> bool:
-    try:
-        catalog.get(model_id)
-    except Exception:  # ModelNotFound, or a catalog that cannot answer: not a label
-        return False
-    return True
 
 
 def _error_type(body: bytes) -> str:

@@ -72,7 +72,7 @@ async def run_once(
     model_id: str,
     keep_alive: float | None,
     op: str,
-    payload: dict[str, Any],
+    payload: Payload,
 ) -> dict[str, Any]:
     """Run one non-streaming request and return the runner's final result."""
     async with scheduler.use(model_id, keep_alive=keep_alive) as runner:

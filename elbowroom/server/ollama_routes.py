@@ -31,7 +31,7 @@ from elbowroom.server.deps import Services, get_services, parse_keep_alive
 from elbowroom.server.embeddings_routes import check_inputs
 from elbowroom.server.errors import validation_to_bad_request
 from elbowroom.server.images import check_chat_images
-from elbowroom.server.metrics import record_tokens
+from elbowroom.server.metrics import record_model, record_tokens
 from elbowroom.server.model_calls import run_once
 from elbowroom.server.ollama_reply import NdjsonStream, Reply, Timing, stream_reply
 from elbowroom.server.schemas import ChatCompletionRequest, CompletionRequest
@@ -177,6 +177,7 @@ async def not_here(request: Request) -> Response:
 async def chat(request: Request, body: shapes.ChatBody) -> Response:
     services = get_services(request)
     spec = resolve(services.catalog, body.model, (ModelKind.LLM,), "/api/chat")
+    record_model(request, spec)
     keep_alive = parse_keep_alive(body.keep_alive)
     if not body.messages:  # Ollama: load (or, with keep_alive 0, unload) the model
         return await _load_or_unload(services, spec, body.model, keep_alive, chat=True)
@@ -188,6 +189,7 @@ async def chat(request: Request, body: shapes.ChatBody) -> Response:
 async def generate(request: Request, body: shapes.GenerateBody) -> Response:
     services = get_services(request)
     spec = resolve(services.catalog, body.model, (ModelKind.LLM,), "/api/generate")
+    record_model(request, spec)
     keep_alive = parse_keep_alive(body.keep_alive)
     if not body.prompt and not body.images:
         return await _load_or_unload(services, spec, body.model, keep_alive, chat=False)
@@ -317,6 +319,7 @@ def _embed_options(options: dict[str, Any] | None) -> None:
 async def embed(request: Request, body: shapes.EmbedBody) -> JSONResponse:
     services = get_services(request)
     spec = resolve(services.catalog, body.model, (ModelKind.EMBEDDING,), "/api/embed")
+    record_model(request, spec)
     keep_alive = parse_keep_alive(body.keep_alive)
     _embed_options(body.options)
     if body.truncate is False:
@@ -330,8 +333,8 @@ async def embed(request: Request, body: shapes.EmbedBody) -> JSONResponse:
         async with services.scheduler.use(spec.id, keep_alive=keep_alive):
             pass
         return JSONResponse({"model": body.model, "embeddings": []})
-    inputs = check_inputs(body.input, services.settings.max_embedding_inputs)
-    result = await run_once(services.scheduler, spec.id, keep_alive, "embed", {"inputs": inputs})
+    payload = check_inputs(body.input, services.settings.max_embedding_inputs)
+    result = await run_once(services.scheduler, spec.id, keep_alive, "embed", payload)
     vectors: list[list[float]] = result["embeddings"]
     if body.dimensions is not None and vectors and body.dimensions != len(vectors[0]):
         raise BadRequest(
@@ -355,12 +358,13 @@ async def embeddings(request: Request, body: shapes.EmbeddingsBody) -> JSONRespo
     """The older single-prompt endpoint."""
     services = get_services(request)
     spec = resolve(services.catalog, body.model, (ModelKind.EMBEDDING,), "/api/embeddings")
+    record_model(request, spec)
     keep_alive = parse_keep_alive(body.keep_alive)
     _embed_options(body.options)
     if not body.prompt:
         async with services.scheduler.use(spec.id, keep_alive=keep_alive):
             pass
         return JSONResponse({"embedding": []})
-    inputs = check_inputs(body.prompt, 1)
-    result = await run_once(services.scheduler, spec.id, keep_alive, "embed", {"inputs": inputs})
+    payload = check_inputs(body.prompt, 1)
+    result = await run_once(services.scheduler, spec.id, keep_alive, "embed", payload)
     return JSONResponse({"embedding": result["embeddings"][0]})

@@ -18,7 +18,7 @@ from elbowroom.server.deps import get_services, parse_keep_alive
 from elbowroom.server.direct import open_direct
 from elbowroom.server.errors import public_error
 from elbowroom.server.images import check_chat_images
-from elbowroom.server.metrics import record_tokens
+from elbowroom.server.metrics import record_model, record_tokens
 from elbowroom.server.schemas import ChatCompletionRequest, CompletionRequest
 from elbowroom.server.shapes import Envelope, Logprobs
 from elbowroom.server.sse import (
@@ -85,6 +85,7 @@ async def _generate(request: Request, body: ChatCompletionRequest | CompletionRe
     services = get_services(request)
     settings = services.settings
     spec = _text_model(services.catalog, body.model or settings.default_model)
+    record_model(request, spec)
     _check_for_model(spec, body)
     _refuse_absurd(body, settings.max_tokens_cap)
     text = engine_request(body, settings)

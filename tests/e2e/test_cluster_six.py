@@ -18,7 +18,7 @@ import pytest
 from ray_cluster import local_cluster
 
 from elbowroom.config import Settings
-from elbowroom.engines.requests import TextRequest
+from elbowroom.engines.requests import EmbedRequest, TextRequest
 from elbowroom.models.catalog import discover
 
 ray = pytest.importorskip("ray")
@@ -72,7 +72,9 @@ def test_six_models_on_three_unequal_nodes_none_overcommitted(cluster: Any) -> N
                 items = [i async for i in runner.request("completion", hi)]
             assert items[-1]["type"] == "done"
             async with router.use("minilm-l6-v2") as runner:
-                items = [i async for i in runner.request("embed", {"inputs": ["a cluster"]})]
+                items = [
+                    i async for i in runner.request("embed", EmbedRequest(inputs=("a cluster",)))
+                ]
             assert items[-1]["type"] == "done"
             print({m: r["node"] for m, r in rows.items()})
         finally:

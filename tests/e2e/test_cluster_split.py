@@ -96,6 +96,18 @@ def entry_of(router: Any, c: Any, name: str) -> Any:
     return next(e for e in router.live() if e.node.name.endswith(tail))
 
 
+async def cluster_router(c: Any) -> tuple[Any, Any, Any]:
+    """The head's services over the module's cluster, its router and nodes A and B."""
+    from elbowroom.cluster.connect import ClusterServices
+
+    settings = Settings(
+        cluster=c.address, cluster_poll=0.25, load_timeout=120.0, stop_grace=2.0,
+        slots=4, ctx=2048, kv_cache=False, kv_ram_max=0,
+    )  # fmt: skip
+    router = await ClusterServices(settings, discover(settings), None).build()
+    return router, entry_of(router, c, "a"), entry_of(router, c, "b")
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -113,18 +125,10 @@ async def complete(router: Any, body: TextRequest, max_tokens: int) -> list[dict
 def test_split_shares_are_node_residents_and_hard_pressure_on_one_node_stops_the_split(
     cluster: Any,
 ) -> None:
-    from elbowroom.cluster.connect import ClusterServices
-
     expected = unsplit_text(TOKENS)
 
     async def main() -> None:
-        settings = Settings(
-            cluster=cluster.address, cluster_poll=0.25, load_timeout=120.0, stop_grace=2.0,
-            slots=4, ctx=2048, kv_cache=False, kv_ram_max=0,
-        )  # fmt: skip
-        cs = ClusterServices(settings, discover(settings), None)
-        router = await cs.build()
-        a, b = entry_of(router, cluster, "a"), entry_of(router, cluster, "b")
+        router, a, b = await cluster_router(cluster)
         try:
             # An idle model on B (best fit), then SmolLM2: it fits on no single node.
             await router.load(IDLE)
@@ -214,18 +218,10 @@ def test_split_shares_are_node_residents_and_hard_pressure_on_one_node_stops_the
 
 def test_a_split_fails_fast_and_splits_again_when_a_part_dies(cluster: Any) -> None:
     """Runs last: it removes node B from the module's cluster."""
-    from elbowroom.cluster.connect import ClusterServices
-
     expected = unsplit_text(TOKENS)
 
     async def main() -> None:
-        settings = Settings(
-            cluster=cluster.address, cluster_poll=0.25, load_timeout=120.0, stop_grace=2.0,
-            slots=4, ctx=2048, kv_cache=False, kv_ram_max=0,
-        )  # fmt: skip
-        cs = ClusterServices(settings, discover(settings), None)
-        router = await cs.build()
-        a, b = entry_of(router, cluster, "a"), entry_of(router, cluster, "b")
+        router, a, b = await cluster_router(cluster)
         try:
             # An RPC server that dies takes the split down; the next request splits again.
             items = await complete(router, PROMPT, TOKENS)

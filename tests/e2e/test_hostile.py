@@ -319,7 +319,7 @@ def random_names(server: ServerProcess, n: int, connections: int = 8) -> list[in
 
 @pytest.mark.slow
 def test_ten_thousand_random_model_names_add_no_series(server: ServerProcess) -> None:
-    random_names(server, 8)  # the "unknown"/404 series exist from here on
+    random_names(server, 8)  # the "-"/404 series exist from here on
     before = series(server)
     statuses = random_names(server, 10_000)
     assert len(statuses) == 10_000 and set(statuses) == {404}

@@ -12,26 +12,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from serverproc import ServerFactory, ServerProcess, wait_for
 
-from elbowroom.server.metrics import kv_hits, kv_stats, model_from_body
+from elbowroom.server.metrics import kv_hits, kv_stats
 
 MODEL = "smollm2-135m"
 HI = [{"role": "user", "content": "Say hello."}]
 
 
 # --- pure helpers (no server) ---------------------------------------------------------
-
-
-def test_model_label_from_json_and_multipart_bodies() -> None:
-    assert model_from_body(b'  {"model": "smollm2-135m", "messages": []}') == "smollm2-135m"
-    assert model_from_body(b'{"model": "smollm2') == "-"  # truncated: unlabelled
-    assert model_from_body(b'{"model": 12}') == "-"
-    assert model_from_body(b'{"model": "' + b"x" * 100 + b'"}') == "-"  # too long
-    multipart = (
-        b'--b\r\nContent-Disposition: form-data; name="model"\r\n\r\nwhisper-tiny.en\r\n'
-        b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\n...'
-    )
-    assert model_from_body(multipart) == "whisper-tiny.en"
-    assert model_from_body(b"") == "-"
 
 
 def test_kv_hits_reads_the_engine_stats_shape() -> None:
@@ -140,7 +127,7 @@ def test_request_counters_move_with_requests(server: ServerProcess) -> None:
             "elbowroom_requests",
             "elbowroom_requests_total",
             endpoint="chat",
-            model="unknown",  # labels are catalog ids: any other name is "unknown"
+            model="-",  # labels are catalog ids the route resolved: a 404 names none
             status="404",
         )
         == 1

@@ -21,7 +21,7 @@ from elbowroom.config import Settings
 from elbowroom.engines.llama import FALLBACK_STOPS, LlamaEngine, _fallback_prompt
 from elbowroom.engines.llama_control import _UnixConnection
 from elbowroom.engines.options import LlamaOptions
-from elbowroom.engines.requests import TextRequest
+from elbowroom.engines.requests import EmbedRequest, TextRequest
 from elbowroom.errors import BadRequest, ContextOverflow, MemoryPressure
 from elbowroom.models.spec import ModelSpec
 
@@ -203,7 +203,7 @@ def test_unknown_op_or_an_untyped_payload_is_a_bad_request(engine: LlamaEngine) 
         raise AssertionError("nothing is generated")
 
     with pytest.raises(BadRequest, match="'embed'"):
-        engine.run("embed", {"inputs": ["x"]}, no_emit, lambda: False)
+        engine.run("embed", EmbedRequest(inputs=("x",)), no_emit, lambda: False)
     with pytest.raises(BadRequest, match="TextRequest"):
         engine.run("completion", {"prompt": "1, 2,", "max_tokens": 2}, no_emit, lambda: False)
 

@@ -9,6 +9,7 @@ import pytest
 from bundled_models import bundled_spec, speak
 
 from elbowroom.engines.options import EngineOptions
+from elbowroom.engines.requests import TranscribeRequest
 from elbowroom.engines.sphinx import SphinxEngine, _segments, model_files
 from elbowroom.errors import BadRequest, EngineError
 
@@ -36,7 +37,7 @@ def engine() -> Any:
 
 
 def transcribe(engine: SphinxEngine, path: Path, **extra: Any) -> dict[str, Any]:
-    payload = {"audio_path": str(path), **extra}
+    payload = TranscribeRequest(audio_path=str(path), **extra)
     return engine.run("transcribe", payload, lambda _: None, lambda: False)
 
 
@@ -54,7 +55,7 @@ def test_transcribes_synthesized_speech(engine: SphinxEngine, speech_wav: Path) 
 
 @pytest.mark.slow
 def test_cancelling_stops_early(engine: SphinxEngine, speech_wav: Path) -> None:
-    payload = {"audio_path": str(speech_wav)}
+    payload = TranscribeRequest(audio_path=str(speech_wav))
     out = engine.run("transcribe", payload, lambda _: None, lambda: True)
     full = transcribe(engine, speech_wav)
     assert len(out["text"].split()) < len(full["text"].split())
@@ -70,6 +71,8 @@ def test_bad_audio_and_other_languages(
         transcribe(engine, junk)
     with pytest.raises(BadRequest, match="English only"):
         transcribe(engine, speech_wav, language="de")
+    with pytest.raises(BadRequest, match="takes the typed TranscribeRequest, not a dict"):
+        engine.run("transcribe", {"audio_path": str(speech_wav)}, lambda _: None, lambda: False)
 
 
 def test_model_files_accepts_each_level_of_the_bundled_layout() -> None:

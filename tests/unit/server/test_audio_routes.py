@@ -17,11 +17,13 @@ from starlette.requests import Request
 from starlette.testclient import TestClient
 
 from elbowroom.config import Settings
+from elbowroom.engines.requests import SpeechRequest, TranscribeRequest
 from elbowroom.errors import BadRequest, ModelNotFound, PayloadTooLarge
 from elbowroom.models.spec import Holding, ModelKind, ModelSpec
 from elbowroom.server import transcript_formats as tf
 from elbowroom.server.app import create_app
 from elbowroom.server.deps import Services
+from elbowroom.server.metrics import METRICS
 from elbowroom.server.model_calls import TRANSCRIPTION_ALIASES, resolve_model
 from elbowroom.server.uploads import receive_form
 
@@ -49,7 +51,7 @@ class Scheduler:
     """Answers each op with a canned result and records what reached it."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[str, str, dict[str, Any]]] = []
+        self.calls: list[tuple[str, str, Any]] = []
         self.seen_files: list[bytes] = []
 
     @asynccontextmanager
@@ -61,10 +63,10 @@ class _Runner:
     def __init__(self, scheduler: Scheduler, model_id: str) -> None:
         self.s, self.model_id = scheduler, model_id
 
-    async def request(self, op: str, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def request(self, op: str, payload: Any) -> AsyncIterator[dict[str, Any]]:
         self.s.calls.append((self.model_id, op, payload))
         if op == "transcribe":
-            self.s.seen_files.append(Path(payload["audio_path"]).read_bytes())
+            self.s.seen_files.append(Path(payload.audio_path).read_bytes())
             segments = [
                 {"id": 0, "start": 0.0, "end": 1.5, "text": " Hello there."},
                 {"id": 1, "start": 1.5, "end": 3725.5, "text": " General Kenobi."},
@@ -104,18 +106,24 @@ def test_transcription_passes_a_temp_file_and_removes_it(
     app_parts: tuple[TestClient, Scheduler],
 ) -> None:
     client, scheduler = app_parts
-    r = transcribe(client, {"model": "whisper-1", "language": "en", "temperature": "0.3"})
+    labels = {"endpoint": "transcriptions", "model": "whisper-tiny.en", "status": "200"}
+    before = METRICS.registry.get_sample_value("elbowroom_requests_total", labels) or 0.0
+    r = transcribe(client, {"model": "whisper-1", "language": " EN ", "temperature": "0.3"})
     assert r.status_code == 200, r.text
+    # The metric's model label is what the route resolved the alias to (not the form field).
+    assert METRICS.registry.get_sample_value("elbowroom_requests_total", labels) == before + 1
     assert r.json() == {
         "text": "Hello there. General Kenobi.",
         "usage": {"type": "duration", "seconds": 3726},
     }
     model, op, payload = scheduler.calls[0]
     assert (model, op) == ("whisper-tiny.en", "transcribe")  # the alias resolved
-    assert payload["language"] == "en" and payload["temperature"] == 0.3
+    # The engine's typed request, the language normalized here (the engine checks nothing).
+    assert isinstance(payload, TranscribeRequest)
+    assert payload.language == "en" and payload.temperature == 0.3 and payload.prompt is None
     assert scheduler.seen_files == [b"audio!"]
-    assert payload["audio_path"].endswith(".wav")
-    assert not Path(payload["audio_path"]).exists()
+    assert payload.audio_path.endswith(".wav")
+    assert not Path(payload.audio_path).exists()
 
 
 @pytest.mark.parametrize(
@@ -208,7 +216,7 @@ def test_speech_returns_audio_bytes(app_parts: tuple[TestClient, Scheduler]) -> 
         (
             "piper-en-us-joe",
             "speech",
-            {"input": "Hi there", "voice": "alloy", "speed": 1.5, "response_format": "wav"},
+            SpeechRequest(input="Hi there", voice="alloy", speed=1.5, response_format="wav"),
         )
     ]
 

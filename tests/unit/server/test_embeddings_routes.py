@@ -13,11 +13,13 @@ import pytest
 from starlette.testclient import TestClient
 
 from elbowroom.config import Settings
+from elbowroom.engines.requests import EmbedRequest
 from elbowroom.errors import ModelNotFound
 from elbowroom.models.spec import Holding, ModelKind, ModelSpec
 from elbowroom.server.app import create_app
 from elbowroom.server.deps import Services
 from elbowroom.server.embeddings_routes import encode_base64
+from elbowroom.server.metrics import METRICS
 
 VECTORS = [[0.6, 0.8, 0.0], [0.1, -0.2, 0.3]]
 
@@ -49,15 +51,15 @@ class Catalog:
 
 class Scheduler:
     def __init__(self) -> None:
-        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.calls: list[tuple[str, EmbedRequest]] = []
 
     @asynccontextmanager
     async def use(self, model_id: str, keep_alive: float | None = None) -> AsyncIterator[Any]:
         yield self
 
-    async def request(self, op: str, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def request(self, op: str, payload: EmbedRequest) -> AsyncIterator[dict[str, Any]]:
         self.calls.append((op, payload))
-        n = len(payload["inputs"])
+        n = len(payload.inputs)
         yield {"type": "done", "embeddings": VECTORS[:n], "prompt_tokens": 5 * n}
 
 
@@ -81,7 +83,7 @@ def test_float_and_base64_encodings(parts: tuple[TestClient, Scheduler]) -> None
     b64 = client.post("/v1/embeddings", json={**body, "encoding_format": "base64"}).json()
     raw = base64.b64decode(b64["data"][1]["embedding"])
     assert struct.unpack("<3f", raw) == pytest.approx(VECTORS[1])
-    assert scheduler.calls[0] == ("embed", {"inputs": ["a", "b"]})
+    assert scheduler.calls[0] == ("embed", EmbedRequest(inputs=("a", "b")))
 
 
 def test_base64_is_little_endian_float32() -> None:
@@ -126,3 +128,47 @@ def test_dimensions_other_than_the_models_are_refused(
     assert r.status_code == 400 and "3-dimensional" in r.json()["error"]["message"]
     r = parts[0].post("/v1/embeddings", json={"input": "x", "dimensions": 3})
     assert r.status_code == 200
+
+
+# --- the metric's model label: recorded by the route, never read from the body ---------------
+
+
+def requests_total(model: str, status: str) -> float:
+    labels = {"endpoint": "embeddings", "model": model, "status": status}
+    return METRICS.registry.get_sample_value("elbowroom_requests_total", labels) or 0.0
+
+
+def test_the_model_label_is_the_model_the_route_resolved(
+    parts: tuple[TestClient, Scheduler],
+) -> None:
+    before = requests_total("minilm-l6-v2", "200")
+    r = parts[0].post("/v1/embeddings", json={"model": "text-embedding-3-small", "input": "x"})
+    assert r.status_code == 200
+    # The alias is labelled with the catalog id it resolved to, as the route saw it.
+    assert requests_total("minilm-l6-v2", "200") == before + 1
+    assert requests_total("text-embedding-3-small", "200") == 0
+
+
+def test_a_model_the_route_rejects_leaves_no_new_label(
+    parts: tuple[TestClient, Scheduler],
+) -> None:
+    client = parts[0]
+    unlabelled = {s: requests_total("-", s) for s in ("400", "404")}
+    wrong_kind = requests_total("smollm2-135m", "400")
+    named = requests_total("minilm-l6-v2", "400")  # a 400 after the route took the model
+    # A catalog LLM on the embeddings route (400), a name the catalog lacks (404), bad
+    # inputs before any model is resolved (400), a body that is not JSON (400, no route).
+    assert client.post("/v1/embeddings", json={"model": "smollm2-135m", "input": "x"}).is_error
+    assert client.post("/v1/embeddings", json={"model": "no-such-label", "input": "x"}).is_error
+    assert client.post("/v1/embeddings", json={"model": "minilm-l6-v2", "input": ""}).is_error
+    r = client.post(
+        "/v1/embeddings",
+        content=b'{"model": "minilm-l6-v2", "input": ',
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400
+    assert requests_total("-", "400") == unlabelled["400"] + 3
+    assert requests_total("-", "404") == unlabelled["404"] + 1
+    assert requests_total("smollm2-135m", "400") == wrong_kind
+    assert requests_total("minilm-l6-v2", "400") == named
+    assert requests_total("no-such-label", "404") == 0

@@ -20,7 +20,6 @@ from elbowroom.models.spec import GGUFInfo
 from elbowroom.server.app import create_app
 from elbowroom.server.deps import Services
 from elbowroom.server.jsonscan import Limits, inspect, min_tokens, scan
-from elbowroom.server.metrics import model_label
 
 LIMITS = Limits(
     max_values=1000, max_depth=8, max_chars=10_000, max_messages=10, max_stop=4, max_stop_chars=8
@@ -280,12 +279,3 @@ def test_a_500_carries_an_error_id_not_the_details(
         err["error_id"] in rec.getMessage() and "secret" in rec.getMessage()
         for rec in caplog.records
     )
-
-
-def test_model_label_is_a_catalog_id_or_unknown() -> None:
-    catalog = FakeCatalog(spec("smollm2-135m"), spec("minilm-l6-v2"))
-    assert model_label("smollm2-135m", catalog) == "smollm2-135m"
-    assert model_label("text-embedding-3-small", catalog) == "minilm-l6-v2"  # an alias
-    assert model_label("x" * 40, catalog) == "unknown"
-    assert model_label("-", catalog) == "-"
-    assert model_label("smollm2-135m", None) == "unknown"
