@@ -21,7 +21,7 @@ from bundled_models import bundled_spec
 
 from elbowroom.config import Settings
 from elbowroom.engines.options import EngineOptions, LlamaOptions
-from elbowroom.engines.requests import TextRequest
+from elbowroom.engines.requests import TextRequest, TranscribeRequest
 from elbowroom.errors import BadRequest, EngineError, MemoryPressure, RunnerCrashed, Unavailable
 from elbowroom.memory.types import ZERO_PROCESS_MEMORY
 from elbowroom.models.spec import ModelSpec
@@ -278,14 +278,16 @@ def test_a_stopped_runner_leaves_no_named_semaphore(
         w.writeframes(bytes(32000))
     sup = Supervisor(bundled_spec("whisper-tiny.en"), Exits(), settings=SETTINGS)
     info = run(sup.start(EngineOptions(threads=1)))
-    run(collect(sup.request("transcribe", {"audio_path": str(silence)})))
-    # glibc maps a semaphore under a temporary name, then links it to its real one: the
-    # inode is what the runner's mapping and the /dev/shm entry share.
-    maps = Path(f"/proc/{info.pid}/maps").read_text().splitlines()
+    try:
+        run(collect(sup.request("transcribe", TranscribeRequest(audio_path=str(silence)))))
+        # glibc maps a semaphore under a temporary name, then links it to its real one: the
+        # inode is what the runner's mapping and the /dev/shm entry share.
+        maps = Path(f"/proc/{info.pid}/maps").read_text().splitlines()
+    finally:
+        run(sup.stop(SETTINGS.stop_grace))  # a failure must not leave the runner behind
     inodes = {int(line.split()[4]) for line in maps if "/dev/shm/sem." in line}
     if not inodes:
         pytest.skip("this faster-whisper makes no named semaphore")
-    run(sup.stop(SETTINGS.stop_grace))
     assert pid_gone(info.pid) and sup.exit_cause == "exit code 0"
     left = [f.name for f in Path("/dev/shm").iterdir() if f.stat().st_ino in inodes]
     assert left == []
