@@ -3,12 +3,12 @@
 glibc keeps what the server frees. Only the top of the main heap is returned on its own,
 and only above the trim threshold, which glibc raises (up to 64 MiB) each time a large
 temporary buffer that it had mmapped is freed — an upload, a WAV answer, a big JSON body;
-free chunks inside the heap stay mapped for good. The soak benchmark traced it: after
-rounds of mixed requests the server's main arena held tens of MiB free while Python's
-live objects had grown by ~2 MiB (benchmarks/results/soak.md). ``malloc_trim(0)`` walks
-every arena and returns each whole free page (``madvise(MADV_DONTNEED)``), so the
-process's anonymous bytes come back to what it uses. It takes a few ms, so the server calls
-it when it goes idle — its last runner stopped (``trim_when_idle``) — not per request.
+free chunks inside the heap stay mapped for good. ``malloc_trim(0)`` walks every arena and
+returns each whole free page (``madvise(MADV_DONTNEED)``), so the process's anonymous bytes
+come back to what it uses: 0.4–0.65 MiB at each idle-out of the soak benchmark's rounds
+(benchmarks/results/soak.md), more after large uploads. It takes a few ms, so the server
+calls it when it goes idle — its last runner stopped (``trim_when_idle``) — not per
+request.
 
 Where there is no ``malloc_trim`` (macOS, musl) ``trim()`` does nothing and says so.
 """
