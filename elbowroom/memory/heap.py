@@ -6,7 +6,7 @@ temporary buffer that it had mmapped is freed — an upload, a WAV answer, a big
 free chunks inside the heap stay mapped for good. ``malloc_trim(0)`` walks every arena and
 returns each whole free page (``madvise(MADV_DONTNEED)``), so the process's anonymous bytes
 come back to what it uses: 0.4–0.65 MiB at each idle-out of the soak benchmark's rounds
-(benchmarks/results/soak.md), more after large uploads. It takes a few ms, so the server
+(benchmarks/results/soak.md). It takes a few ms, so the server
 calls it when it goes idle — its last runner stopped (``trim_when_idle``) — not per
 request.
 
