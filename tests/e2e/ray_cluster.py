@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -63,3 +65,21 @@ def local_cluster(
             os.environ.pop(OOM_KILLER, None)
         else:
             os.environ[OOM_KILLER] = saved
+
+
+async def wait_for(predicate: Callable[[], bool], deadline: float, what: str) -> None:
+    """Wait (in the event loop) until ``predicate`` holds, failing after ``deadline`` s."""
+    end = time.monotonic() + deadline
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {deadline} s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` exists (a zombie still counts: its parent has not reaped it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

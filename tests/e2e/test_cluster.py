@@ -22,7 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from ray_cluster import local_cluster
+from ray_cluster import local_cluster, wait_for
 
 from elbowroom.config import Settings
 from elbowroom.engines.requests import TextRequest
@@ -61,14 +61,6 @@ def settings_for(c: Any) -> Settings:
         kv_cache=False,
         kv_ram_max=0,
     )
-
-
-async def wait_for(predicate: Any, deadline: float, what: str) -> None:
-    end = time.monotonic() + deadline
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {deadline} s waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 async def complete(router: Any, max_tokens: int = 4) -> list[dict[str, Any]]:

@@ -9,13 +9,12 @@ agent's messages: cluster/relay.py), and the server stops cleanly, its runner wi
 
 from __future__ import annotations
 
-import os
 import socket
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from ray_cluster import local_cluster
+from ray_cluster import alive, local_cluster
 
 pytest.importorskip("ray")
 pytest.importorskip("grpc", reason="Ray Client needs ray[client] (the cluster extra)")
@@ -37,14 +36,6 @@ def client_address() -> Iterator[str]:
     port = free_port()
     with local_cluster("2GiB", {}, client_port=port):
         yield f"ray://127.0.0.1:{port}"
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_serve_through_a_ray_client_address(client_address: str, server_factory: Any) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 from bundled_models import bundled_spec
-from ray_cluster import local_cluster
+from ray_cluster import alive, local_cluster, wait_for
 
 from elbowroom.config import Settings
 from elbowroom.engines.llama_rpc import default_binary
@@ -62,14 +62,6 @@ TOKENS = 8  # compared with the unsplit model's greedy text
 def cluster() -> Iterator[Any]:
     with local_cluster("64MiB", {"a": "500MiB", "b": "460MiB"}, fast_failure=True) as c:
         yield c
-
-
-async def wait_for(predicate: Any, deadline: float, what: str) -> None:
-    end = time.monotonic() + deadline
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {deadline} s waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 def unsplit_text(max_tokens: int) -> str:
@@ -106,14 +98,6 @@ async def cluster_router(c: Any) -> tuple[Any, Any, Any]:
     )  # fmt: skip
     router = await ClusterServices(settings, discover(settings), None).build()
     return router, entry_of(router, c, "a"), entry_of(router, c, "b")
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 async def complete(router: Any, body: TextRequest, max_tokens: int) -> list[dict[str, Any]]:
