@@ -241,6 +241,7 @@ class ClusterServices:
 async def start_cluster(settings: Settings, catalog: Any, measured: Any) -> Services:
     """The server's services over a Ray cluster (``server.app.start_services``)."""
     from elbowroom.cluster.views import ClusterGuard, ClusterMonitor
+    from elbowroom.server.app import load_pinned
     from elbowroom.server.deps import Services
 
     cluster = ClusterServices(settings, catalog, measured)
@@ -251,11 +252,7 @@ async def start_cluster(settings: Settings, catalog: Any, measured: Any) -> Serv
         monitor = cast("Monitor", ClusterMonitor(router))
         guard = cast("PressureGuard", ClusterGuard(router))
         services = Services(settings, catalog, router, monitor=monitor, guard=guard)
-        for model_id in settings.pin:
-            try:
-                await router.load(model_id, pin=True)
-            except ElbowroomError as exc:
-                log.error("cannot load pinned model %s: %s", model_id, exc.message)
+        await load_pinned(router.load, settings.pin)
     except BaseException:
         await cluster.close()
         raise

@@ -163,15 +163,21 @@ async def start_services(settings: Settings, *, probe: Probe | None = None) -> S
         if settings.memory_guard and settings.pressure_events and default_probe_used:
             guard.watch_with(monitor.sample_now, settings.pressure_fast_interval)
         await scheduler.start()  # loads settings.preload
-        for model_id in settings.pin:
-            try:
-                await scheduler.load(model_id, pin=True)
-            except ElbowroomError as exc:
-                log.error("cannot load pinned model %s: %s", model_id, exc.message)
+        await load_pinned(scheduler.load, settings.pin)
     except BaseException:
         await stop_services(services)
         raise
     return services
+
+
+async def load_pinned(load: Callable[..., Awaitable[Any]], pins: tuple[str, ...]) -> None:
+    """Load and pin each of ``pins`` with ``load`` (a scheduler's, or the cluster router's);
+    one that cannot load is logged and the server starts without it."""
+    for model_id in pins:
+        try:
+            await load(model_id, pin=True)
+        except ElbowroomError as exc:
+            log.error("cannot load pinned model %s: %s", model_id, exc.message)
 
 
 async def stop_services(services: Services) -> None:
