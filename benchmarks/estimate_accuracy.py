@@ -261,13 +261,16 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     if held:
         worst = max(held, key=lambda r: abs(r["error_at_load"]))
-        used = [r for r in held if not math.isnan(r["error_in_use"])] or held
-        worst_use = max(used, key=lambda r: abs(r["error_in_use"]))
+        used = [r for r in held if not math.isnan(r["error_in_use"])]
+        in_use = "not measured"
+        if used:
+            w = max(used, key=lambda r: abs(r["error_in_use"]))
+            in_use = (
+                f"{w['error_in_use']:+.1%} ({w['model']}, n_ctx {w['n_ctx']}, slots {w['slots']})"
+            )
         lines += [
             f"Worst held-out error at load: {worst['error_at_load']:+.1%} ({worst['model']},"
-            f" n_ctx {worst['n_ctx']}, slots {worst['slots']}); in use:"
-            f" {pct(worst_use['error_in_use'])} ({worst_use['model']}, n_ctx"
-            f" {worst_use['n_ctx']}, slots {worst_use['slots']}).",
+            f" n_ctx {worst['n_ctx']}, slots {worst['slots']}); in use: {in_use}.",
             "",
             f"### Per term, worst case at load ({worst['model']}, n_ctx {worst['n_ctx']},"
             f" slots {worst['slots']}): prediction vs llama.cpp's own report (MiB)",
@@ -341,21 +344,27 @@ def _run_cycles(specs: list[ModelSpec], quick: bool) -> list[dict[str, Any]]:
     return cycles
 
 
-def _cycles_only(args: argparse.Namespace, held: ModelSpec, load_before: tuple[float, ...]) -> int:
+def _write(out: Path, report: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "estimate_accuracy.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    (out / "estimate_accuracy.md").write_text(markdown(report))
+    print(f"wrote {out / 'estimate_accuracy.md'}")
+
+
+def _cycles_only(
+    args: argparse.Namespace, specs: list[ModelSpec], load_before: tuple[float, ...]
+) -> int:
     """The cycles alone, merged into the recorded report (its tables stay as recorded)."""
     out = args.out or RESULTS
     report = json.loads((out / "estimate_accuracy.json").read_text())
-    smol = next(c.spec for c in _fitted_cases(True) if c.spec.id == "smollm2-135m")
-    report["cycles"] = _run_cycles([smol, held], args.quick)
+    report["cycles"] = _run_cycles(specs, args.quick)
     report["meta"]["cycles"] = {
         "date": time.strftime("%Y-%m-%d"),
         "load_before": " ".join(f"{x:.2f}" for x in load_before),
         "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
         "command": "benchmarks/estimate_accuracy.py --cycles-only",
     }
-    (out / "estimate_accuracy.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    (out / "estimate_accuracy.md").write_text(markdown(report))
-    print(f"wrote {out / 'estimate_accuracy.md'}")
+    _write(out, report)
     return 0
 
 
@@ -392,8 +401,10 @@ def main(argv: list[str] | None = None) -> int:
     held_specs = [spec_of(s, paths[s.name]) for s in shapes]
     load_before = os.getloadavg()
     report: dict[str, Any] = {"fitted": [], "held_out": [], "cycles": []}
+    smol = next((c.spec for c in _fitted_cases(True) if c.spec.id == "smollm2-135m"), None)
+    cycle_specs = [s for s in (smol, held_specs[0]) if s is not None]
     if args.cycles_only:
-        return _cycles_only(args, held_specs[0], load_before)
+        return _cycles_only(args, cycle_specs, load_before)
     grid = CASES[:2] if args.quick else CASES
     held_cases = [Case(s, n, k) for s in held_specs for n, k in grid]
     if args.only:
@@ -408,11 +419,9 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{table:<8} {case.spec.id:<20} n_ctx={case.n_ctx:<5} slots={case.slots}"
                 f" {case.kv_type:<5} at load {row['error_at_load']:+.1%}"
-                f"  in use {row['error_in_use']:+.1%}",
+                f"  in use {pct(row['error_in_use'])}",
                 flush=True,
             )
-    smol = next((c.spec for c in _fitted_cases(True) if c.spec.id == "smollm2-135m"), None)
-    cycle_specs = [s for s in (smol, held_specs[0]) if s is not None]
     if not args.at_load_only:
         report["cycles"] = _run_cycles(cycle_specs, args.quick)
     import xllamacpp
@@ -429,10 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
     }
     out = args.out or (Path(tempfile.mkdtemp(prefix="estimate-")) if args.quick else RESULTS)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "estimate_accuracy.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    (out / "estimate_accuracy.md").write_text(markdown(report))
-    print(f"wrote {out / 'estimate_accuracy.md'}")
+    _write(out, report)
     return 0 if all(r["ok"] for r in report["held_out"]) else 1
 
 
