@@ -13,6 +13,9 @@ PY="$VENV/bin/python"
 VERSION=$(sed -n 's/.*"xllamacpp==\([^"]*\)".*/\1/p' pyproject.toml)
 CACHE=${ELBOWROOM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/elbowroom}/wheels/xllamacpp-$VERSION-cpu-$(uname -m)
 
+# shellcheck source=scripts/engine_sdist.sh
+. scripts/engine_sdist.sh
+
 say() { echo "elbowroom setup (engine): $*" >&2; }
 die() { say "$*"; exit 1; }
 
@@ -47,14 +50,7 @@ if ! ls "$CACHE"/xllamacpp-*.whl >/dev/null 2>&1; then
     trap 'rm -rf "$tmp"' EXIT
     say "building xllamacpp $VERSION for this CPU from source ($(${CXX:-c++} --version | head -1));" \
         "~14 min on 2 cores, once (kept in $CACHE)"
-    "$PY" -m pip install -q "cython>=3.1" versioneer
-    "$PY" -m pip download -q --no-binary :all: --no-deps -d "$tmp" "xllamacpp==$VERSION"
-    tar xzf "$tmp"/xllamacpp-*.tar.gz -C "$tmp"
-    # BoringSSL and llguidance would be cloned from the network at build time: off.
-    (cd "$tmp"/xllamacpp-"$VERSION" &&
-        NPROC=${NPROC:-$(nproc)} \
-            CMAKE_ARGS="-DLLAMA_BUILD_BORINGSSL=OFF -DLLAMA_LLGUIDANCE=OFF $(cpu_flags)" \
-            "$PY" -m pip wheel -q --no-build-isolation --no-deps -w "$tmp/wheel" .)
+    sdist_wheel "$tmp" "$(cpu_flags)"
     mkdir -p "$CACHE"
     cp "$tmp"/wheel/xllamacpp-*.whl "$CACHE"/
 fi

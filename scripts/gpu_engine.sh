@@ -18,6 +18,9 @@ KIND=${1:-}
 VERSION=$(sed -n 's/.*"xllamacpp==\([^"]*\)".*/\1/p' pyproject.toml)
 INDEX=https://xorbitsai.github.io/xllamacpp/whl
 
+# shellcheck source=scripts/engine_sdist.sh
+. scripts/engine_sdist.sh
+
 say() { echo "elbowroom setup (gpu): $*" >&2; }
 die() { say "$*"; exit 1; }
 
@@ -57,15 +60,8 @@ cuda_source() {
     tmp=$(mktemp -d)
     trap 'rm -rf "$tmp"' EXIT
     say "building xllamacpp $VERSION for CUDA from source with $(nvcc --version | tail -1) (~7 min)"
-    "$PY" -m pip install -q "cython>=3.1" versioneer
-    "$PY" -m pip download -q --no-binary :all: --no-deps -d "$tmp" "xllamacpp==$VERSION"
-    tar xzf "$tmp"/xllamacpp-*.tar.gz -C "$tmp"
-    # BoringSSL and llguidance would be cloned from the network at build time: off.
-    (cd "$tmp"/xllamacpp-"$VERSION" &&
-        XLLAMACPP_BUILD_CUDA=1 CUDA_ARCHITECTURES=${CUDA_ARCHITECTURES:-native} \
-            NPROC=${NPROC:-$(nproc)} \
-            CMAKE_ARGS="-DLLAMA_BUILD_BORINGSSL=OFF -DLLAMA_LLGUIDANCE=OFF" \
-            "$PY" -m pip wheel -q --no-build-isolation --no-deps -w "$tmp/wheel" .)
+    sdist_wheel "$tmp" "" XLLAMACPP_BUILD_CUDA=1 \
+        CUDA_ARCHITECTURES="${CUDA_ARCHITECTURES:-native}"
     "$PY" -m pip install -q --force-reinstall --no-deps "$tmp"/wheel/xllamacpp-*.whl
     sees_a_gpu >&2 || die "the CUDA build of xllamacpp sees no GPU: check the driver (nvidia-smi)"
 }

@@ -17,7 +17,7 @@ fi
 
 stamp_of() {
     { cat pyproject.toml scripts/models.txt scripts/setup.sh scripts/gpu_engine.sh \
-        scripts/cpu_engine.sh
+        scripts/cpu_engine.sh scripts/engine_sdist.sh
         echo "${ELBOWROOM_EXTRAS:-} ${ELBOWROOM_GPU:-} ${ELBOWROOM_RPC:-}" \
             "${ELBOWROOM_ENGINE_BUILD:-}"; } |
         sha256sum | cut -d' ' -f1
