@@ -473,7 +473,7 @@ NEIGHBOUR = r"""
 import json, sys, time
 import torch
 want, patience = int(sys.argv[1]), float(sys.argv[2])
-held, log, t0, failed_since = [], [], time.time(), None
+held, t0, failed_since, waited = [], time.time(), None, 0.0
 free = torch.cuda.mem_get_info()[0]
 if free > 2**31:  # the free part at once, then 256 MiB steps into ours
     held.append(torch.empty(free - 2**31, dtype=torch.uint8, device="cuda"))
@@ -481,18 +481,21 @@ while sum(x.numel() for x in held) < want:
     try:
         held.append(torch.empty(min(2**28, want - sum(x.numel() for x in held)),
                                 dtype=torch.uint8, device="cuda"))
-        failed_since = None
     except torch.cuda.OutOfMemoryError:
         failed_since = failed_since or time.time()
         if time.time() - failed_since > patience:
             break
         time.sleep(0.05)
         continue
+    if failed_since is not None:  # memory came after a wait: count it
+        waited += time.time() - failed_since
+        failed_since = None
     time.sleep(0.02)
+if failed_since is not None:
+    waited += time.time() - failed_since
 got = sum(x.numel() for x in held)
 print(json.dumps({"wanted": want, "got": got, "seconds": round(time.time() - t0, 2),
-                  "waited_for_memory": round(time.time() - failed_since, 2) if failed_since else 0,
-                  "ok": got >= want}), flush=True)
+                  "waited_for_memory": round(waited, 2), "ok": got >= want}), flush=True)
 """
 
 
