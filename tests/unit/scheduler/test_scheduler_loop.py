@@ -444,8 +444,9 @@ def test_an_llm_serves_as_many_requests_as_its_slots_and_queues_the_rest() -> No
         await request(h, "llm")
         gate = h.machine.holds["llm"] = asyncio.Event()
         tasks = [asyncio.create_task(request(h, "llm")) for _ in range(3)]
-        await until(lambda: h.sched.ps()[0]["waiting"] == 1)
-        assert h.runner("llm").in_request == 2 and h.sched.ps()[0]["busy"] == 2
+        # A granted slot enters the runner's request on the task's next turn: wait for both.
+        await until(lambda: h.sched.ps()[0]["waiting"] == 1 and h.runner("llm").in_request == 2)
+        assert h.sched.ps()[0]["busy"] == 2
         gate.set()
         assert await asyncio.gather(*tasks) == ["ok"] * 3
 
@@ -459,8 +460,15 @@ def test_per_model_slots_override_the_default_and_other_engines_take_one() -> No
         await request(h, "a")
         gates = {m: h.machine.holds.setdefault(m, asyncio.Event()) for m in ("llm", "a")}
         tasks = [asyncio.create_task(request(h, m)) for m in ("llm",) * 4 + ("a",) * 2]
-        await until(lambda: sum(row["waiting"] for row in h.sched.ps()) == 2)
-        assert h.runner("llm").in_request == 3 and h.runner("a").in_request == 1
+        # A granted slot enters the runner's request on the task's next turn: wait for the
+        # queue and the requests in flight together, then check nothing more was let through.
+        await until(
+            lambda: sum(row["waiting"] for row in h.sched.ps()) == 2
+            and h.runner("llm").in_request == 3
+            and h.runner("a").in_request == 1
+        )
+        busy = {row["id"]: row["busy"] for row in h.sched.ps()}
+        assert busy == {"llm": 3, "a": 1}
         for gate in gates.values():
             gate.set()
         assert await asyncio.gather(*tasks) == ["ok"] * 6
