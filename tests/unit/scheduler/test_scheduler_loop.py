@@ -463,9 +463,11 @@ def test_per_model_slots_override_the_default_and_other_engines_take_one() -> No
         # A granted slot enters the runner's request on the task's next turn: wait for the
         # queue and the requests in flight together, then check nothing more was let through.
         await until(
-            lambda: sum(row["waiting"] for row in h.sched.ps()) == 2
-            and h.runner("llm").in_request == 3
-            and h.runner("a").in_request == 1
+            lambda: (
+                sum(row["waiting"] for row in h.sched.ps()) == 2
+                and h.runner("llm").in_request == 3
+                and h.runner("a").in_request == 1
+            )
         )
         busy = {row["id"]: row["busy"] for row in h.sched.ps()}
         assert busy == {"llm": 3, "a": 1}
