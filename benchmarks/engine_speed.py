@@ -818,15 +818,8 @@ def write_report(result: dict[str, Any], out: Path) -> None:
             )
     if smoke:
         lines += ["", "(smoke test: the verdicts above are not evidence)"]
+    lines += ["", *_ratio_rows(result), ""]
     lines += [
-        "",
-        "README row (placeholder for the README's benchmark table, filled from a recording):",
-        "",
-        "| LLM speed, SmolLM2-135M Q4_1, 2 threads, 128 tokens | 1 stream | 4 streams | "
-        "8 streams | TTFT p95 @4 |",
-        "|---|---:|---:|---:|---:|",
-        "| elbowroom / llama-server (aggregate tok/s) | _x.xx_ | _x.xx_ | _x.xx_ | _x.xx_ |",
-        "",
         "Every round (load average before → after; order = the system's place in its round):",
         "",
         "| round | streams | system | order | tok/s | TTFT p50 ms | TTFT p95 ms | tokens "
@@ -842,6 +835,38 @@ def write_report(result: dict[str, Any], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+def _ratio_rows(result: dict[str, Any]) -> list[str]:
+    """Each elbowroom variant over the baseline, as medians of this run: aggregate tok/s at
+    every concurrency (higher is better) and p95 TTFT at 4 streams (lower is better)."""
+    table, streams, base = result["table"], result["streams"], result["baseline"]
+    if base not in table:
+        return [f"Ratios: the baseline `{base}` was not run."]
+    head = " | ".join(f"tok/s, {n} stream{'s' if n > 1 else ''}" for n in streams)
+    rows = [
+        f"Ratios to `{base}` (medians of this run):",
+        "",
+        f"| system | {head} | TTFT p95, 4 streams |",
+        "|---|" + "---:|" * (len(streams) + 1),
+    ]
+    for name in result["systems"]:
+        if name == base or name not in table:
+            continue
+        cells = []
+        for n in streams:
+            mine, theirs = table[name].get(str(n)), table[base].get(str(n))
+            ok = mine and theirs and theirs["agg_tps"]["median"]
+            cells.append(
+                f"{mine['agg_tps']['median'] / theirs['agg_tps']['median']:.3f}" if ok else "–"
+            )
+        mine, theirs = table[name].get("4"), table[base].get("4")
+        ok = mine and theirs and theirs["ttft_p95_s"]["median"]
+        cells.append(
+            f"{mine['ttft_p95_s']['median'] / theirs['ttft_p95_s']['median']:.3f}" if ok else "–"
+        )
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    return rows
 
 
 def _ints(text: str) -> list[int]:

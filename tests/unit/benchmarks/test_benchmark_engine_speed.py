@@ -98,3 +98,23 @@ def test_system_names_are_checked() -> None:
     ]
     with pytest.raises(argparse.ArgumentTypeError, match="llama-server"):
         es._names("elbowroom,llama-server:avx9")
+
+
+def test_ratio_rows_divide_each_system_by_the_baseline() -> None:
+    def cell(tps: float, ttft: float) -> dict[str, dict[str, float]]:
+        return {"agg_tps": {"median": tps}, "ttft_p95_s": {"median": ttft}}
+
+    result = {
+        "baseline": "llama-server:native",
+        "systems": ["elbowroom", "llama-server:native"],
+        "streams": [1, 4],
+        "table": {
+            "elbowroom": {"1": cell(90.0, 0.1), "4": cell(150.0, 0.45)},
+            "llama-server:native": {"1": cell(100.0, 0.1), "4": cell(160.0, 0.3)},
+        },
+    }
+    rows = es._ratio_rows(result)
+    assert rows[2] == "| system | tok/s, 1 stream | tok/s, 4 streams | TTFT p95, 4 streams |"
+    assert rows[4] == "| elbowroom | 0.900 | 0.938 | 1.500 |"
+    assert len(rows) == 5  # the baseline gets no row of its own
+    assert "was not run" in es._ratio_rows({**result, "baseline": "xllamacpp"})[0]
