@@ -346,8 +346,9 @@ class Residency:
         if rec.stop_task is None:
             self._remember_use(rec)
             freed = rec.held_bytes()
+            gpu = self._model_pools(rec)
             rec.phase = Phase.STOPPING
-            rec.stop_task = asyncio.create_task(self._stop(rec, reason, freed))
+            rec.stop_task = asyncio.create_task(self._stop(rec, reason, freed, gpu))
             rec.stop_task.add_done_callback(retrieve)
         return rec.stop_task
 
@@ -365,7 +366,7 @@ class Residency:
         if mem is not None and mem.resident > 0:
             self._measured.record(rec.spec, rec.n_ctx, rec.slots, rec.kv_type, mem)
 
-    async def _stop(self, rec: Loaded, reason: str, freed: int) -> None:
+    async def _stop(self, rec: Loaded, reason: str, freed: int, gpu: dict[str, int]) -> None:
         try:
             await rec.runner.stop(self.settings.stop_grace)
         except Exception as exc:
@@ -376,13 +377,19 @@ class Residency:
             key = f"evictions_{reason}"
             if key in self.counters:
                 self.counters[key] += 1
-            log.info("unloaded %s (%s): freed %s", rec.spec.id, reason, format_size(freed))
+            # Host bytes, then each GPU pool's own: a GPU model's VRAM is not host memory.
+            what = ", ".join(
+                [f"{format_size(freed)} host"]
+                + [f"{format_size(b)} {pool}" for pool, b in sorted(gpu.items()) if b > 0]
+            )
+            log.info("unloaded %s (%s): freed %s", rec.spec.id, reason, what)
             self.events.add(
                 "evict" if reason in ("load", "pressure") else "unload",
                 rec.spec.id,
-                f"unloaded {rec.spec.id} ({reason}): freed {format_size(freed)}",
+                f"unloaded {rec.spec.id} ({reason}): freed {what}",
                 reason=reason,
                 freed=freed,
+                **({"freed_pools": gpu} if gpu else {}),
             )
 
     async def drain_stops(self) -> None:

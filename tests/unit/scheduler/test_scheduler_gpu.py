@@ -4,6 +4,7 @@ VRAM, partial offload when a model cannot fit, 507 naming the GPU pool when forc
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,10 @@ def test_alternating_models_place_evict_by_vram_and_partially_offload() -> None:
         assert h.offload("a") == Offload(17, devices=(0,))
         await request(h, "c")  # 3.5 GiB more: the least recently used GPU model goes
         assert h.loaded() == ["b", "c"]
+        # The eviction says what it gave back in VRAM, not only in host memory.
+        evicted = [e for e in h.sched.events.since() if e.kind == "evict" and e.model == "a"]
+        assert len(evicted) == 1 and evicted[0].detail["freed_pools"]["gpu0"] > 2 * GiB
+        assert re.search(r"freed .* host, .* gpu0$", evicted[0].message)
         await request(h, "big")  # cannot fit even alone: everything idle is evicted ...
         assert h.loaded() == ["big"]
         assert 0 < h.offload("big").n_gpu_layers < 65  # ... and part of it stays on the CPU
