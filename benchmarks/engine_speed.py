@@ -707,14 +707,18 @@ def summarize(rounds: list[Round], systems: Sequence[str], streams: Sequence[int
     return table
 
 
+def _ratio(mine: dict[str, Any], theirs: dict[str, Any], key: str) -> float:
+    """One system's median ``key`` over another's, for one concurrency's cells."""
+    return float(mine[key]["median"] / theirs[key]["median"])
+
+
 def verdicts(table: Table, streams: Sequence[int], baseline: str) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     elb, base = table.get("elbowroom"), table.get(baseline)
     if not elb or not base:
         return out
     for n in streams:
-        e, b = elb[str(n)], base[str(n)]
-        ratio = e["agg_tps"]["median"] / b["agg_tps"]["median"]
+        ratio = _ratio(elb[str(n)], base[str(n)], "agg_tps")
         out.append(
             {
                 "target": f"aggregate tok/s at {n} streams >= {TARGET_TPS_RATIO}x {baseline}",
@@ -723,8 +727,7 @@ def verdicts(table: Table, streams: Sequence[int], baseline: str) -> list[dict[s
             }
         )
     if str(TARGET_TTFT_STREAMS) in elb:
-        e, b = elb[str(TARGET_TTFT_STREAMS)], base[str(TARGET_TTFT_STREAMS)]
-        ratio = e["ttft_p95_s"]["median"] / b["ttft_p95_s"]["median"]
+        ratio = _ratio(elb[str(TARGET_TTFT_STREAMS)], base[str(TARGET_TTFT_STREAMS)], "ttft_p95_s")
         out.append(
             {
                 "target": f"p95 TTFT at {TARGET_TTFT_STREAMS} streams <= {TARGET_TTFT_RATIO}x "
@@ -838,33 +841,29 @@ def write_report(result: dict[str, Any], out: Path) -> None:
 
 
 def _ratio_rows(result: dict[str, Any]) -> list[str]:
-    """Each elbowroom variant over the baseline, as medians of this run: aggregate tok/s at
-    every concurrency (higher is better) and p95 TTFT at 4 streams (lower is better)."""
+    """Each system over the baseline, as medians of this run: aggregate tok/s at every
+    concurrency (higher is better) and p95 TTFT at the target's concurrency (lower is
+    better); a cell either side lacks, or a baseline of 0, is a dash."""
     table, streams, base = result["table"], result["streams"], result["baseline"]
     if base not in table:
         return [f"Ratios: the baseline `{base}` was not run."]
-    head = " | ".join(f"tok/s, {n} stream{'s' if n > 1 else ''}" for n in streams)
+    columns = [(n, "agg_tps") for n in streams] + [(TARGET_TTFT_STREAMS, "ttft_p95_s")]
+    head = [f"tok/s, {n} stream{'s' if n > 1 else ''}" for n in streams]
+    head.append(f"TTFT p95, {TARGET_TTFT_STREAMS} streams")
     rows = [
         f"Ratios to `{base}` (medians of this run):",
         "",
-        f"| system | {head} | TTFT p95, 4 streams |",
-        "|---|" + "---:|" * (len(streams) + 1),
+        "| system | " + " | ".join(head) + " |",
+        "|---|" + "---:|" * len(columns),
     ]
     for name in result["systems"]:
         if name == base or name not in table:
             continue
         cells = []
-        for n in streams:
+        for n, key in columns:
             mine, theirs = table[name].get(str(n)), table[base].get(str(n))
-            ok = mine and theirs and theirs["agg_tps"]["median"]
-            cells.append(
-                f"{mine['agg_tps']['median'] / theirs['agg_tps']['median']:.3f}" if ok else "–"
-            )
-        mine, theirs = table[name].get("4"), table[base].get("4")
-        ok = mine and theirs and theirs["ttft_p95_s"]["median"]
-        cells.append(
-            f"{mine['ttft_p95_s']['median'] / theirs['ttft_p95_s']['median']:.3f}" if ok else "–"
-        )
+            ok = mine and theirs and theirs[key]["median"]
+            cells.append(f"{_ratio(mine, theirs, key):.3f}" if ok else "–")
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     return rows
 
