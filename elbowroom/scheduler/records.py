@@ -102,11 +102,13 @@ class Loaded:
         except Exception:  # a vanished /proc entry must not break a decision
             return None
 
-    def held_bytes(self) -> int:
+    def held_bytes(self, now: ProcessMemory | None = None) -> int:
         """Bytes to count as committed: the prediction while loading; else the larger of now
-        and right after load (mmap pages the OS dropped come back when the model runs)."""
+        and right after load (mmap pages the OS dropped come back when the model runs).
+        ``now``: a measurement the caller already took (None: one is taken here)."""
         if self.phase is Phase.LOADING or self.ready is None:
             return self.predicted
-        now = self.measure()
+        if now is None:
+            now = self.measure()
         live = now.resident if now is not None else 0
         return max(live, self.ready.measured.resident + self.reserved)

@@ -58,7 +58,7 @@ def describe(rec: Loaded, lane: Lane | None, now: float) -> dict[str, Any]:
         "anonymous": mem.anonymous if mem is not None else 0,
         "file_backed": mem.file_backed if mem is not None else 0,
         "gpu": mem.gpu if mem is not None else 0,
-        "bytes": rec.held_bytes(),
+        "bytes": rec.held_bytes(mem),
         "predicted": rec.predicted,
         "n_ctx": rec.n_ctx or None,
         "kv_type": rec.kv_type if rec.n_ctx else None,

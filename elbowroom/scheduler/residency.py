@@ -29,7 +29,7 @@ from typing import Any
 from elbowroom.config import Settings
 from elbowroom.errors import EngineError, InsufficientMemory, MemoryPressure, RunnerCrashed
 from elbowroom.memory.monitor import Monitor, Sample
-from elbowroom.memory.types import Probe, Snapshot
+from elbowroom.memory.types import Probe, ProcessMemory, Snapshot
 from elbowroom.models.spec import Holding, ModelSpec
 from elbowroom.runtime.protocol import Runner, RunnerFactory
 from elbowroom.scheduler import offload_plan, policy, vision_gate
@@ -318,12 +318,13 @@ class Residency:
         stops = []
         for model_id in decision.ids:
             rec = self.loaded[model_id]
-            mem = rec.measure() or (rec.ready.measured if rec.ready else None)
+            now = rec.measure()
+            mem = now or (rec.ready.measured if rec.ready else None)
             expected += mem.anonymous if mem is not None else 0
             log.info(
                 "evicting %s (%s, last used %.0f s ago) to load %s",
                 model_id,
-                format_size(rec.held_bytes()),
+                format_size(rec.held_bytes(now)),
                 self._clock() - rec.last_used,
                 for_model,
             )
@@ -345,8 +346,7 @@ class Residency:
         in a task; idempotent."""
         if rec.stop_task is None:
             self._remember_use(rec)
-            freed = rec.held_bytes()
-            gpu = self._model_pools(rec)
+            freed, gpu = self._held(rec)
             rec.phase = Phase.STOPPING
             rec.stop_task = asyncio.create_task(self._stop(rec, reason, freed, gpu))
             rec.stop_task.add_done_callback(retrieve)
@@ -461,11 +461,20 @@ class Residency:
         """Our bytes per GPU index (for the monitor's GPU pools)."""
         return offload_plan.gpu_usage([self._model_pools(r) for r in list(self.loaded.values())])
 
-    def _model_pools(self, rec: Loaded) -> dict[str, int]:
+    def _model_pools(self, rec: Loaded, now: ProcessMemory | None = None) -> dict[str, int]:
         """Bytes ``rec`` holds per GPU pool: predicted while loading, then rescaled to what
-        NVML measures for its process."""
-        mem = rec.measure() if rec.phase is Phase.READY else None
+        NVML measures for its process. ``now``: a measurement the caller already took."""
+        mem = None
+        if rec.phase is Phase.READY:
+            mem = now if now is not None else rec.measure()
         return offload_plan.model_pools(rec.placement, mem.gpu if mem is not None else None)
+
+    def _held(self, rec: Loaded) -> tuple[int, dict[str, int]]:
+        """``rec``'s committed host bytes and its bytes per GPU pool, from one measurement
+        (each reads the runner's /proc tree and NVML)."""
+        loaded = rec.phase is not Phase.LOADING and rec.ready is not None
+        now = rec.measure() if loaded else None
+        return rec.held_bytes(now), self._model_pools(rec, now)
 
     def state(self) -> policy.State:
         """The policy's picture. ``State.limit`` is always the load ceiling of the last
@@ -476,19 +485,20 @@ class Residency:
         models = []
         for rec in self.loaded.values():
             claims = self._lanes.claims(rec.spec.id)
+            held, pools = self._held(rec)
             models.append(
                 policy.ModelState(
                     id=rec.spec.id,
                     kind=rec.spec.kind,
                     holding=rec.spec.holding,
-                    bytes=rec.held_bytes(),
+                    bytes=held,
                     pinned=rec.pinned,
                     busy=rec.busy + claims,
                     last_used=rec.last_used,
                     expires_at=rec.expires_at,
                     # Stopping models still hold their bytes and cannot be chosen again.
                     loading=rec.phase is not Phase.READY,
-                    pools=self._model_pools(rec),
+                    pools=pools,
                 )
             )
         last = self._last
