@@ -28,7 +28,14 @@ from elbowroom.engines.requests import Payload
 from elbowroom.errors import ElbowroomError, EngineError, RunnerCrashed, Unavailable
 from elbowroom.memory.types import ZERO_PROCESS_MEMORY, ProcessMemory, Snapshot
 from elbowroom.models.spec import ModelSpec
-from elbowroom.runtime.protocol import ExitCallback, ReadyInfo, Runner, RunnerFactory, RunnerState
+from elbowroom.runtime.protocol import (
+    ExitCallback,
+    ReadyInfo,
+    Runner,
+    RunnerFactory,
+    RunnerState,
+    RunnerStatus,
+)
 
 log = logging.getLogger("elbowroom.cluster")
 
@@ -140,7 +147,7 @@ class _OnNode(Protocol):
     def node_gone(self, cause: str) -> None: ...
 
 
-class RemoteRunner:
+class RemoteRunner(RunnerStatus):
     """A model's runner on another node, through that node's agent."""
 
     # The engine's private socket is on that node: streams take the runner's own path,
@@ -162,14 +169,6 @@ class RemoteRunner:
     @property
     def pid(self) -> int | None:
         return None if self._exited.is_set() else self._pid
-
-    @property
-    def state(self) -> RunnerState:
-        return self._state
-
-    @property
-    def exit_cause(self) -> str | None:
-        return self._exit_cause
 
     async def start(self, options: EngineOptions) -> ReadyInfo:
         if self._state is not RunnerState.NEW:

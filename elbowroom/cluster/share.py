@@ -36,7 +36,7 @@ from elbowroom.engines.requests import Payload
 from elbowroom.errors import ElbowroomError, EngineError, ModelNotFound, RunnerCrashed
 from elbowroom.memory.types import ZERO_PROCESS_MEMORY, ProcessMemory
 from elbowroom.models.spec import Footprint, ModelSpec
-from elbowroom.runtime.protocol import ExitCallback, ReadyInfo, Runner, RunnerState
+from elbowroom.runtime.protocol import ExitCallback, ReadyInfo, Runner, RunnerState, RunnerStatus
 from elbowroom.scheduler.inputs import ModelCatalog
 from elbowroom.scheduler.policy import LoadRequest
 from elbowroom.scheduler.sizing import Plan
@@ -114,7 +114,7 @@ class ShareHooks:
     engine: Runner | None = None  # at home: the split's engine, measured with the share
 
 
-class ShareRunner:
+class ShareRunner(RunnerStatus):
     """A node's share: its ``rpc-server``, through the node's agent."""
 
     direct_streams = False
@@ -138,14 +138,6 @@ class ShareRunner:
     @property
     def pid(self) -> int | None:
         return None if self._done else self._pid
-
-    @property
-    def state(self) -> RunnerState:
-        return self._state
-
-    @property
-    def exit_cause(self) -> str | None:
-        return self._exit_cause
 
     async def start(self, options: EngineOptions) -> ReadyInfo:
         if not self.node.alive:

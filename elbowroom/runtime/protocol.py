@@ -40,6 +40,23 @@ class RunnerState(enum.StrEnum):
     CRASHED = "crashed"
 
 
+class RunnerStatus:
+    """``state`` and ``exit_cause`` as every Runner reports them: the implementations
+    (the local Supervisor, a cluster node's RemoteRunner, a split's ShareRunner) set
+    ``_state`` and ``_exit_cause``; these read them."""
+
+    _state: RunnerState
+    _exit_cause: str | None
+
+    @property
+    def state(self) -> RunnerState:
+        return self._state
+
+    @property
+    def exit_cause(self) -> str | None:
+        return self._exit_cause
+
+
 @dataclass(frozen=True, slots=True)
 class ReadyInfo:
     pid: int

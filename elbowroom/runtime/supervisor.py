@@ -35,7 +35,14 @@ from elbowroom.errors import ElbowroomError, RunnerCrashed, Unavailable
 from elbowroom.memory.process import measure_tree
 from elbowroom.memory.types import ZERO_PROCESS_MEMORY, ProcessMemory
 from elbowroom.models.spec import ModelSpec
-from elbowroom.runtime.protocol import ExitCallback, ReadyInfo, Runner, RunnerFactory, RunnerState
+from elbowroom.runtime.protocol import (
+    ExitCallback,
+    ReadyInfo,
+    Runner,
+    RunnerFactory,
+    RunnerState,
+    RunnerStatus,
+)
 from elbowroom.runtime.worker import worker_main
 
 log = logging.getLogger(__name__)
@@ -95,7 +102,7 @@ def supervisor_factory(settings: Settings) -> RunnerFactory:
     return make
 
 
-class Supervisor:
+class Supervisor(RunnerStatus):
     """Implements runtime.protocol.Runner for one model in one worker process."""
 
     def __init__(
@@ -139,14 +146,6 @@ class Supervisor:
         if self._proc is None or self._exited.is_set():
             return None
         return self._proc.pid
-
-    @property
-    def state(self) -> RunnerState:
-        return self._state
-
-    @property
-    def exit_cause(self) -> str | None:
-        return self._exit_cause
 
     # ---- lifecycle ---------------------------------------------------------------------
 
