@@ -2,9 +2,10 @@
 
 An engine lives inside one runner process (runtime/worker.py) and owns one model. The
 worker calls ``load`` once, then ``run`` once per request (one at a time unless the
-engine says otherwise), and ``close`` before exit. Errors raised from ``run`` should be
-``elbowroom.errors.ElbowroomError`` subclasses (library errors translated with
-``raise ... from exc``); anything else reaches the client as a 500 EngineError.
+engine says otherwise), and ``close(process_exit=True)`` before exit. Errors raised from
+``run`` should be ``elbowroom.errors.ElbowroomError`` subclasses (library errors
+translated with ``raise ... from exc``); anything else reaches the client as a 500
+EngineError.
 
 ``load`` takes the engine's options object (engines/options.py: ``LlamaOptions`` for the
 LLM engine, ``RpcLlamaOptions`` for a split one, ``EngineOptions`` for the rest). Every
@@ -54,7 +55,10 @@ class Engine(Protocol):
         """Engine-specific stats for /api/ps (e.g. KV cache tiers). May be {}."""
         ...
 
-    def close(self) -> None: ...
+    def close(self, *, process_exit: bool = False) -> None:
+        """Release the model. ``process_exit``: the runner process exits right after this
+        call (the worker's close), so what the kernel reclaims at exit may be left to it."""
+        ...
 
 
 def create_engine(name: str, pressure: PressureLevel = lambda: 0) -> Engine:

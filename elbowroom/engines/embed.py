@@ -156,6 +156,6 @@ class OnnxEmbedEngine:
     def stats(self) -> dict[str, Any]:
         return {"requests": self._requests, "tokens": self._tokens}
 
-    def close(self) -> None:
+    def close(self, *, process_exit: bool = False) -> None:
         self._session = None
         self._tokenizer = None

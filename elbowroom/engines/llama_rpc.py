@@ -240,6 +240,12 @@ class RpcLlamaEngine(LlamaEngine):
                 details={"exit_cause": str(err.__cause__)},
             ) from None
 
+    def _drop(self, server: Any, process_exit: bool) -> None:
+        # The engine is a llama-server child: it is stopped, whether or not this process
+        # exits next (an orphan would keep the model's memory).
+        if server is not None:
+            server.close()
+
     def _start_server(self, params: Any) -> Any:
         args = server_args(params, self._binary, self._rpc, self._split)
         self.log_path = Path(params.hostnames[0]).with_name("llama-server.log")

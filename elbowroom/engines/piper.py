@@ -105,5 +105,5 @@ class PiperEngine:
     def stats(self) -> dict[str, Any]:
         return {"requests": self._requests, "audio_seconds": round(self._audio_seconds, 1)}
 
-    def close(self) -> None:
+    def close(self, *, process_exit: bool = False) -> None:
         self._voice = None

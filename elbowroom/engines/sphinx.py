@@ -95,7 +95,7 @@ class SphinxEngine:
     def stats(self) -> dict[str, Any]:
         return {"requests": self._requests}
 
-    def close(self) -> None:
+    def close(self, *, process_exit: bool = False) -> None:
         self._decoder = None
 
 

@@ -79,7 +79,7 @@ class WhisperEngine:
     def stats(self) -> dict[str, Any]:
         return {"requests": self._requests, "audio_seconds": round(self._audio_seconds, 1)}
 
-    def close(self) -> None:
+    def close(self, *, process_exit: bool = False) -> None:
         self._model = None
 
 

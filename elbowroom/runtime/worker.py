@@ -137,7 +137,7 @@ class _Worker:
         try:
             self._loop()
         finally:
-            self.engine.close()
+            self.engine.close(process_exit=True)  # worker_main exits right after
         return 0
 
     def _send_loop(self) -> None:

@@ -38,7 +38,7 @@ class Stubborn:
     def stats(self) -> dict[str, Any]:
         return {"stub": "stats"}
 
-    def close(self) -> None:
+    def close(self, *, process_exit: bool = False) -> None:
         pass
 
 
