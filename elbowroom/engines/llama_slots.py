@@ -208,8 +208,8 @@ class Slots:
         return [int(t) for t in out["tokens"]]
 
     def _restore(self, slot: int, hit: Hit) -> bool:
-        """The hit's state into ``slot``: written to a file the engine reads (the disk tier
-        copies it there without passing it through Python), then the engine's restore."""
+        """The hit's state into ``slot``: put at a path in the engine's private slot
+        directory (a disk entry is linked there, not copied), then the engine's restore."""
         assert self._cache is not None
         name = f"restore-{slot}.bin"
         path = self._save_dir / name
@@ -223,14 +223,11 @@ class Slots:
             return True
 
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            return self._cache.restore_file(hit, path, apply)
         except OSError as exc:
-            log.warning("KV disk tier: cannot write %s: %s", path, exc)
+            log.warning("KV disk tier: cannot put a state at %s: %s", path, exc)
             return False
-        try:  # what is written is visible to the engine's read with the file still open
-            return self._cache.restore_file(hit, fd, apply)
         finally:
-            os.close(fd)
             path.unlink(missing_ok=True)
 
     def save_idle(self) -> int:

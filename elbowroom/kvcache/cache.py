@@ -16,8 +16,10 @@ Thread-safe: the runner answers stats from its reader thread while a request run
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -178,24 +180,30 @@ class PrefixCache:
             state = self._fetch(hit)
             return self._restored(hit, start, state is not None and apply(state))
 
-    def restore_file(self, hit: Hit, dest: int, apply: Callable[[], bool]) -> bool:
+    def restore_file(self, hit: Hit, dest: Path, apply: Callable[[], bool]) -> bool:
         """Like ``restore``, for an engine that reads states from files: the hit's state is
-        put into the open file ``dest`` (a disk entry is verified and copied by the kernel,
-        never read into this process), then ``apply()`` loads it into the context."""
+        put at ``dest`` (a disk entry is verified and linked there, never read into this
+        process nor copied), then ``apply()`` loads it into the context."""
         with self._lock:
             start = self._clock()
             return self._restored(hit, start, self._put(hit, dest) and apply())
 
-    def _put(self, hit: Hit, dest: int) -> bool:
+    def _put(self, hit: Hit, dest: Path) -> bool:
         meta = self._meta.get(hit.eid)
         if meta is None:
             return False
         if meta.tier is Tier.DISK:
-            return self._disk is not None and self._disk.copy_to(hit.eid, dest)
+            return self._disk is not None and self._disk.link_to(hit.eid, dest)
         entry = self._ram.get(hit.eid)
         if entry is None:
             return False
-        write_all(dest, entry.state)
+        with contextlib.suppress(FileNotFoundError):
+            dest.unlink()
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            write_all(fd, entry.state)
+        finally:
+            os.close(fd)
         return True
 
     def _restored(self, hit: Hit, start: float, ok: bool) -> bool:

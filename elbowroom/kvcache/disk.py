@@ -18,6 +18,9 @@ O_NOFOLLOW`` (a planted symlink or file is never written through), every open is
 runner), and only regular files of ours that start with the format's magic are ever
 deleted (``_ours``): eviction and clean-up leave anything else alone. A payload length
 above the tier's cap or the file's size is corrupt before anything is allocated for it.
+
+A restore hands the engine a symlink to the verified entry (``link_to``): the entry file
+starts with the engine's own slot file (fileformat.py), so nothing is copied.
 """
 
 from __future__ import annotations
@@ -36,15 +39,16 @@ from pathlib import Path
 from typing import TypeVar
 
 from elbowroom.kvcache.fileformat import (
+    ENGINE_MAGIC,
     FIXED_SIZE,
     MAGIC,
     Blob,
     FormatError,
     Header,
     check_payload,
-    decode_header,
-    encode_header,
-    fixed_lengths,
+    decode_trailer,
+    encode_trailer,
+    trailer_length,
 )
 
 log = logging.getLogger(__name__)
@@ -63,7 +67,7 @@ class DiskEntry:
     eid: str
     tokens: tuple[int, ...]
     nbytes: int  # the file's size
-    payload_bytes: int  # the state's size (what a restore copies)
+    payload_bytes: int  # the state's size (what a restore hands the engine)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +160,7 @@ class DiskTier:
             try:
                 with _open_regular(path) as f:
                     st = os.fstat(f.fileno())
-                    header = self._read_header(f)
+                    header = self._read_trailer(f)
             except (OSError, FormatError) as exc:
                 self._discard(path, str(exc))
                 continue
@@ -175,10 +179,16 @@ class DiskTier:
             self._bytes += entry.nbytes
         return list(self._entries.values())
 
-    def _read_header(self, f: BufferedReader) -> Header:
-        fixed = f.read(FIXED_SIZE)
-        key_len, n_tokens = fixed_lengths(fixed)
-        header = decode_header(fixed + f.read(key_len + 4 * n_tokens))
+    def _read_trailer(self, f: BufferedReader) -> Header:
+        size = os.fstat(f.fileno()).st_size
+        if size < FIXED_SIZE:
+            raise FormatError("truncated trailer")
+        f.seek(size - FIXED_SIZE)
+        length = trailer_length(f.read(FIXED_SIZE))
+        if length > size:
+            raise FormatError("truncated trailer")
+        f.seek(size - length)
+        header = decode_trailer(f.read(length))
         if header.payload_len > self.cap:
             raise FormatError(f"payload of {header.payload_len} bytes is over the cap")
         return header
@@ -199,14 +209,20 @@ class DiskTier:
         """The entry's state, verified; None (and the file removed) when it is unusable."""
         return self._use(eid, _read_payload)
 
-    def copy_to(self, eid: str, dest: int) -> bool:
-        """Verify the entry and copy its state into the open file ``dest`` without
-        reading it into this process: the checksum is taken over a memory map of the
-        page cache and the copy is the kernel's (``copy_file_range``). A restore
-        otherwise reads the state into a buffer and writes it out again (for SmolLM2's
-        ~2,400-token state, 52 MiB: ~70 of its ~125 ms). False (and the file removed)
-        when the entry is unusable, like ``read``."""
-        return self._use(eid, lambda f, header: _copy_payload(f, header, dest)) is not None
+    def link_to(self, eid: str, dest: Path) -> bool:
+        """Verify the entry and make ``dest`` a symlink to it, for the engine to restore
+        from: the entry starts with the engine's slot file and the engine ignores the
+        trailer after it. The checksum is taken over a memory map of the page cache; no
+        byte of the state passes through this process or is copied (a copy took ~45 ms of
+        a 52 MiB restore here). False (and the file removed) when the entry is unusable,
+        like ``read``. ``dest`` is in the engine's private directory; whatever was left
+        there is replaced."""
+        if self._use(eid, _verify_mapped) is None:
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            dest.unlink()
+        dest.symlink_to(self._path(eid))
+        return True
 
     def _use(self, eid: str, fn: Callable[[BufferedReader, Header], _T]) -> _T | None:
         """``fn`` on the entry's open file once its header matches the index and its size;
@@ -217,7 +233,7 @@ class DiskTier:
         path = self._path(eid)
         try:
             with _open_regular(path) as f:
-                header = self._read_header(f)
+                header = self._read_trailer(f)
                 if header.key != self._key or header.tokens != entry.tokens:
                     raise FormatError("header does not match the index")
                 if os.fstat(f.fileno()).st_size != header.file_size:
@@ -236,8 +252,8 @@ class DiskTier:
         """Write atomically (temp file + rename), evicting LRU files to stay under the cap."""
         if not self.enabled:
             return WriteResult(False)
-        header = encode_header(self._key, tokens, state)
-        size = len(header) + len(state)
+        trailer = encode_trailer(self._key, tokens, state)
+        size = len(state) + len(trailer)
         if size > self.cap:
             return WriteResult(False)
         self.remove(eid)
@@ -249,7 +265,11 @@ class DiskTier:
             fd = self._create(tmp)
             created = True
             with os.fdopen(fd, "wb") as f:
-                f.write(header)
+                # The trailer first: a temp file of a writer that dies mid-write ends with
+                # the magic, so a later clean-up knows it as ours (``_ours``).
+                f.seek(len(state))
+                f.write(trailer)
+                f.seek(0)
                 f.write(state)
             # No fsync: a torn file after a power cut fails its checksum and is a miss.
             # rename() replaces whatever is at ``path`` (even a symlink) without following it.
@@ -347,48 +367,22 @@ class DiskTier:
 
 def _read_payload(f: BufferedReader, header: Header) -> bytearray:
     payload = bytearray(header.payload_len)
+    f.seek(0)
     got = f.readinto(payload)
     check_payload(header, payload[:got] if got != len(payload) else payload)
-    if f.read(1):
-        raise FormatError("trailing bytes after the payload")
     return payload
 
 
-def _copy_payload(f: BufferedReader, header: Header, dest: int) -> bool:
+def _verify_mapped(f: BufferedReader, header: Header) -> bool:
     if header.payload_len == 0:
         raise FormatError("empty payload")
     with (
         mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped,
         memoryview(mapped) as view,
-        view[header.size :] as payload,
+        view[: header.payload_len] as payload,
     ):
         check_payload(header, payload)
-    _copy_range(f.fileno(), header.size, dest, header.payload_len)
     return True
-
-
-def _copy_range(src: int, offset: int, dest: int, length: int) -> None:
-    """``length`` bytes of ``src`` from ``offset`` onto ``dest``'s position, in the kernel
-    where it can (copy_file_range, else sendfile), else through a small buffer."""
-    done = 0
-    try:
-        while done < length:
-            n = os.copy_file_range(src, dest, length - done, offset + done)
-            if n == 0:
-                break
-            done += n
-    except (AttributeError, OSError) as exc:
-        if done or (isinstance(exc, OSError) and exc.errno not in _NO_KERNEL_COPY):
-            raise
-        os.lseek(src, offset, os.SEEK_SET)
-        while done < length:
-            chunk = os.read(src, min(8 << 20, length - done))
-            if not chunk:
-                break
-            write_all(dest, chunk)
-            done += len(chunk)
-    if done != length:
-        raise FormatError(f"copied {done} of {length} bytes (the file shrank?)")
 
 
 def write_all(fd: int, data: Blob) -> None:
@@ -396,9 +390,6 @@ def write_all(fd: int, data: Blob) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
-
-
-_NO_KERNEL_COPY = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF}
 
 
 def _open_regular(path: Path) -> BufferedReader:
@@ -415,8 +406,9 @@ def _open_regular(path: Path) -> BufferedReader:
 
 
 def _ours(path: Path, *, empty_ok: bool = False) -> bool:
-    """A regular file owned by us that starts with the format's magic (or, with
-    ``empty_ok``, is empty: a temp file whose writer died before writing): the only files
+    """A regular file owned by us that ends with the format's magic, or starts with it (a
+    version 1 file) or with the engine's (an entry whose trailer was cut off), or, with
+    ``empty_ok``, is empty (a temp file whose writer died before writing): the only files
     this tier ever deletes."""
     try:
         fd = os.open(path, _READ_FLAGS)
@@ -427,11 +419,12 @@ def _ours(path: Path, *, empty_ok: bool = False) -> bool:
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
             return False
         head = os.read(fd, len(MAGIC))
+        tail = os.pread(fd, len(MAGIC), max(0, st.st_size - len(MAGIC)))
     except OSError:
         return False
     finally:
         os.close(fd)
-    return head == MAGIC or (empty_ok and st.st_size == 0)
+    return MAGIC in (head, tail) or head.startswith(ENGINE_MAGIC) or (empty_ok and st.st_size == 0)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -1,22 +1,31 @@
-"""The disk tier's file format (version 1). Pure: bytes in, bytes out.
+"""The disk tier's file format (version 2). Pure: bytes in, bytes out.
 
-All integers little-endian::
+An entry file is the engine's own slot file (llama.cpp's sequence state, magic ``ggsq``)
+followed by elbowroom's trailer, so the engine restores straight from the entry (through
+a link in its private slot directory: docs/kvcache.md) and nothing is copied on a
+restore; llama.cpp reads its state and ignores what follows it. All integers
+little-endian::
 
-    offset size
-    0      8    magic  b"ELBKV\\r\\n\\x1a" (the CR-LF and ^Z catch text-mode mangling)
-    8      2    version (1)
-    10     2    reserved (0)
-    12     4    key_len: bytes of the cache key (UTF-8)
-    16     4    n_tokens
-    20     8    payload_len
-    28     4    payload crc32
-    32     4    header crc32: of bytes [0, 32) + key + tokens
-    36     ...  key, then n_tokens x int32 tokens, then the payload (llama.cpp sequence state)
+    payload            payload_len bytes: the engine's slot file, byte for byte
+    guard       8      b"ELBKVTRL" (never the engine's checkpoint-appendix magic "SCKP")
+    key         k      the cache key (UTF-8)
+    tokens      4 n    n x int32
+    fixed      40      from the end of the file:
+                  0  2 version (2)
+                  2  2 reserved (0)
+                  4  4 k (key length)
+                  8  4 n (token count)
+                 12  8 payload_len
+                 20  8 payload xxh3-64
+                 28  4 trailer crc32: of guard + key + tokens + fixed bytes [0, 28)
+                 32  8 magic b"ELBKV\\r\\n\\x1a" (the CR-LF and ^Z catch text-mode mangling)
 
-The header (with the token list) is small and read on its own when a directory is
-indexed; the payload's checksum is verified when an entry is restored. crc32 (zlib, about
-3 GB/s) guards against torn writes and bit rot, not against an adversary: the cache
-directory is as trusted as the model files.
+The trailer (with the token list) is small and read on its own when a directory is
+indexed (the last 40 bytes, then the key and tokens before them); the payload's checksum
+is verified when an entry is restored. xxh3-64 (about 15 GB/s; zlib's crc32, version 1's,
+took ~25 ms of a 52 MiB restore here) guards against torn writes and bit rot, not against
+an adversary: the cache directory is as trusted as the model files. Version 1 files (the
+header in front) are not read: a miss, removed like any other unusable entry.
 """
 
 from __future__ import annotations
@@ -27,10 +36,16 @@ import sys
 import zlib
 from dataclasses import dataclass
 
+import xxhash
+
 MAGIC = b"ELBKV\r\n\x1a"
-VERSION = 1
-_FIXED = struct.Struct("<8sHHIIQII")
-FIXED_SIZE = _FIXED.size  # 36
+GUARD = b"ELBKVTRL"
+# What every payload starts with: llama.cpp's LLAMA_STATE_SEQ_MAGIC ("ggsq"). A file whose
+# trailer was cut off is still known by it (disk.py: ``_ours``).
+ENGINE_MAGIC = struct.pack("<I", 0x67677371)
+VERSION = 2
+_FIXED = struct.Struct("<HHIIQQI8s")
+FIXED_SIZE = _FIXED.size  # 40
 # A sanity bound so that a corrupt length field cannot make us allocate gigabytes.
 MAX_KEY = 64 * 1024
 MAX_TOKENS = 16 * 1024 * 1024
@@ -48,12 +63,16 @@ class Header:
     key: str
     tokens: tuple[int, ...]
     payload_len: int
-    payload_crc: int
-    size: int  # bytes before the payload
+    payload_hash: int
+    size: int  # the trailer's bytes (after the payload)
 
     @property
     def file_size(self) -> int:
-        return self.size + self.payload_len
+        return self.payload_len + self.size
+
+
+def payload_hash(payload: Blob | memoryview) -> int:
+    return xxhash.xxh3_64_intdigest(payload)
 
 
 def _tokens_bytes(tokens: tuple[int, ...]) -> bytes:
@@ -63,57 +82,61 @@ def _tokens_bytes(tokens: tuple[int, ...]) -> bytes:
     return arr.tobytes()
 
 
-def encode_header(key: str, tokens: tuple[int, ...], payload: Blob) -> bytes:
-    """Everything before the payload; write the payload right after it."""
+def encode_trailer(key: str, tokens: tuple[int, ...], payload: Blob) -> bytes:
+    """Everything after the payload."""
     key_bytes = key.encode()
-    tok = _tokens_bytes(tokens)
+    body = GUARD + key_bytes + _tokens_bytes(tokens)
     fixed = _FIXED.pack(
-        MAGIC, VERSION, 0, len(key_bytes), len(tokens), len(payload), zlib.crc32(payload), 0
+        VERSION, 0, len(key_bytes), len(tokens), len(payload), payload_hash(payload), 0, MAGIC
     )
-    crc = zlib.crc32(tok, zlib.crc32(key_bytes, zlib.crc32(fixed[:32])))
-    return fixed[:32] + struct.pack("<I", crc) + key_bytes + tok
+    crc = zlib.crc32(fixed[:28], zlib.crc32(body))
+    return body + fixed[:28] + struct.pack("<I", crc) + MAGIC
 
 
-def fixed_lengths(fixed: bytes) -> tuple[int, int]:
-    """From the first FIXED_SIZE bytes: (key_len, n_tokens), checked for plausibility."""
+def trailer_length(fixed: bytes) -> int:
+    """From the last FIXED_SIZE bytes of a file: the trailer's length, checked for
+    plausibility."""
     if len(fixed) < FIXED_SIZE:
-        raise FormatError("truncated header")
-    magic, version, _, key_len, n_tokens, _, _, _ = _FIXED.unpack(fixed[:FIXED_SIZE])
+        raise FormatError("truncated trailer")
+    version, _, key_len, n_tokens, _, _, _, magic = _FIXED.unpack(fixed[-FIXED_SIZE:])
     if magic != MAGIC:
         raise FormatError("not an elbowroom KV file (bad magic)")
     if version != VERSION:
         raise FormatError(f"unsupported version {version} (this build reads {VERSION})")
     if key_len > MAX_KEY or n_tokens > MAX_TOKENS:
-        raise FormatError("implausible header lengths")
-    return key_len, n_tokens
+        raise FormatError("implausible trailer lengths")
+    return len(GUARD) + int(key_len) + 4 * int(n_tokens) + FIXED_SIZE
 
 
-def decode_header(head: bytes) -> Header:
-    """Parse and verify a header (FIXED_SIZE + key + tokens bytes, or more)."""
-    key_len, n_tokens = fixed_lengths(head)
-    size = FIXED_SIZE + key_len + 4 * n_tokens
-    if len(head) < size:
-        raise FormatError("truncated header")
-    _, _, _, _, _, payload_len, payload_crc, crc = _FIXED.unpack(head[:FIXED_SIZE])
+def decode_trailer(tail: bytes) -> Header:
+    """Parse and verify a trailer: the last ``trailer_length`` bytes of the file (or more:
+    only the end counts)."""
+    size = trailer_length(tail)
+    if len(tail) < size:
+        raise FormatError("truncated trailer")
+    trailer = tail[-size:]
+    _, _, key_len, _, payload_len, digest, crc, _ = _FIXED.unpack(trailer[-FIXED_SIZE:])
     if payload_len > MAX_PAYLOAD:
         raise FormatError("implausible payload length")
-    key_bytes = head[FIXED_SIZE : FIXED_SIZE + key_len]
-    tok = head[FIXED_SIZE + key_len : size]
-    if zlib.crc32(tok, zlib.crc32(key_bytes, zlib.crc32(head[:32]))) != crc:
-        raise FormatError("header checksum mismatch")
+    body = trailer[:-FIXED_SIZE]
+    if zlib.crc32(trailer[-FIXED_SIZE:][:28], zlib.crc32(body)) != crc:
+        raise FormatError("trailer checksum mismatch")
+    if body[: len(GUARD)] != GUARD:
+        raise FormatError("trailer guard missing")
+    key_bytes = body[len(GUARD) : len(GUARD) + key_len]
     arr = array.array("i")
-    arr.frombytes(tok)
+    arr.frombytes(body[len(GUARD) + key_len :])
     if sys.byteorder != "little":
         arr.byteswap()
     try:
         key = key_bytes.decode()
     except UnicodeDecodeError as exc:
         raise FormatError("key is not UTF-8") from exc
-    return Header(key, tuple(arr), payload_len, payload_crc, size)
+    return Header(key, tuple(arr), payload_len, digest, size)
 
 
 def check_payload(header: Header, payload: Blob | memoryview) -> None:
     if len(payload) != header.payload_len:
         raise FormatError(f"truncated payload ({len(payload)} of {header.payload_len} bytes)")
-    if zlib.crc32(payload) != header.payload_crc:
+    if payload_hash(payload) != header.payload_hash:
         raise FormatError("payload checksum mismatch")

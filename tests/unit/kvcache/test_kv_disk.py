@@ -12,10 +12,16 @@ from pathlib import Path
 import pytest
 
 from elbowroom.kvcache.disk import DiskTier
+from elbowroom.kvcache.fileformat import ENGINE_MAGIC
 
 KEY = '{"model": "m", "n_ctx": 512}'
 PREFIX = "aaaa"
 TOKENS = tuple(range(100))
+
+
+def engine_state(n: int) -> bytes:
+    """Random bytes that start like the engine's slot files (a cut-off entry is known by it)."""
+    return ENGINE_MAGIC + os.urandom(n - len(ENGINE_MAGIC))
 
 
 def tier(d: Path, cap: int = 10_000_000, key: str = KEY, prefix: str = PREFIX) -> DiskTier:
@@ -47,42 +53,44 @@ def test_corrupt_payload_is_a_miss_and_removed(tmp_path: Path) -> None:
     t.write("e1", TOKENS, os.urandom(20_000))
     path = only_file(tmp_path)
     with path.open("r+b") as f:
-        f.seek(-100, os.SEEK_END)
+        f.seek(100)  # the payload: the trailer's own checksum guards the rest
         f.write(b"\x00" * 10)
     assert t.read("e1") is None
     assert not path.exists() and len(t) == 0 and t.nbytes == 0
 
 
-def test_copy_to_puts_the_verified_state_into_a_file(tmp_path: Path) -> None:
+def test_link_to_gives_the_engine_the_verified_entry(tmp_path: Path) -> None:
     t = tier(tmp_path / "kv")
     state = os.urandom(3_000_000)
     t.write("e1", TOKENS, state)
     dest = tmp_path / "restore.bin"
-    with dest.open("wb") as f:
-        assert t.copy_to("e1", f.fileno())
-    assert dest.read_bytes() == state  # the payload only: no header
-    assert not t.copy_to("nope", os.open(os.devnull, os.O_WRONLY))
+    dest.write_bytes(b"left over")  # a crash's leftover is replaced
+    assert t.link_to("e1", dest)
+    assert dest.is_symlink() and dest.resolve() == only_file(tmp_path / "kv")
+    # The engine reads its own slot file from the start and ignores the trailer.
+    assert dest.read_bytes()[: len(state)] == state
+    assert not t.link_to("nope", tmp_path / "other.bin")
+    assert not (tmp_path / "other.bin").exists()
 
 
-def test_copy_to_refuses_a_corrupt_or_truncated_entry_and_removes_it(tmp_path: Path) -> None:
+def test_link_to_refuses_a_corrupt_or_truncated_entry_and_removes_it(tmp_path: Path) -> None:
     t = tier(tmp_path / "kv")
     t.write("e1", TOKENS, os.urandom(20_000))
-    t.write("e2", TOKENS[:50], os.urandom(20_000))
+    t.write("e2", TOKENS[:50], engine_state(20_000))
     paths = {p.name: p for p in (tmp_path / "kv").iterdir()}
     with paths[f"{PREFIX}-e1.kv"].open("r+b") as f:
-        f.seek(-100, os.SEEK_END)
+        f.seek(100)  # the payload
         f.write(b"\x00" * 10)
     os.truncate(paths[f"{PREFIX}-e2.kv"], 1000)
     dest = tmp_path / "restore.bin"
-    with dest.open("wb") as f:
-        assert not t.copy_to("e1", f.fileno())
-        assert not t.copy_to("e2", f.fileno())
-    assert dest.read_bytes() == b""  # nothing of a bad state reaches the engine
+    assert not t.link_to("e1", dest)
+    assert not t.link_to("e2", dest)
+    assert not dest.exists()  # nothing of a bad state reaches the engine
     assert len(t) == 0 and not list((tmp_path / "kv").iterdir())
 
 
 def test_truncated_file_is_removed_at_scan(tmp_path: Path) -> None:
-    tier(tmp_path).write("e1", TOKENS, os.urandom(20_000))
+    tier(tmp_path).write("e1", TOKENS, engine_state(20_000))
     path = only_file(tmp_path)
     os.truncate(path, path.stat().st_size - 1)
     assert DiskTier(tmp_path, 10_000_000, KEY, PREFIX).scan() == []
@@ -91,7 +99,7 @@ def test_truncated_file_is_removed_at_scan(tmp_path: Path) -> None:
 
 def test_truncated_after_scan_is_removed_at_read(tmp_path: Path) -> None:
     t = tier(tmp_path)
-    t.write("e1", TOKENS, os.urandom(20_000))
+    t.write("e1", TOKENS, engine_state(20_000))
     path = only_file(tmp_path)
     os.truncate(path, 1000)
     assert t.read("e1") is None
@@ -154,13 +162,16 @@ def test_stale_temp_files_of_dead_writers_are_removed(tmp_path: Path) -> None:
     dead_empty = tmp_path / f"{PREFIX}-e3.kv.999998.tmp"
     not_ours = tmp_path / f"{PREFIX}-e4.kv.999997.tmp"
     live = tmp_path / f"{PREFIX}-e2.kv.1234.tmp"
-    dead.write_bytes(MAGIC + b"partial")
+    # The trailer is written first: a writer that died mid-payload left zeros and it.
+    dead_mid = tmp_path / f"{PREFIX}-e5.kv.999996.tmp"
+    dead_mid.write_bytes(bytes(500) + b"trailer" + MAGIC)
+    dead.write_bytes(MAGIC + b"partial")  # a version 1 writer's
     dead_empty.write_bytes(b"")  # the writer died before its first byte
     not_ours.write_bytes(b"someone else's")
     live.write_bytes(MAGIC + b"partial")
     t = DiskTier(tmp_path, 10_000, KEY, PREFIX, pid_alive=lambda pid: pid == 1234)
     t.scan()
-    assert not dead.exists() and not dead_empty.exists()
+    assert not dead.exists() and not dead_empty.exists() and not dead_mid.exists()
     assert live.exists() and not_ours.exists()
 
 
@@ -259,21 +270,28 @@ def test_eviction_leaves_files_that_are_not_ours(tmp_path: Path) -> None:
 
 
 def test_a_payload_length_over_the_cap_is_corrupt(tmp_path: Path) -> None:
-    """A header with a valid checksum that claims a huge payload: refused before any
+    """A trailer with a valid checksum that claims a huge payload: refused before any
     allocation of that size (the file itself is small)."""
     import struct
     import zlib
 
-    from elbowroom.kvcache.fileformat import _FIXED, FIXED_SIZE, MAGIC, VERSION
+    from elbowroom.kvcache.fileformat import _FIXED, GUARD, MAGIC, VERSION
 
     t = tier(tmp_path, cap=100_000)
     t.write("e1", TOKENS, bytes(1000))
     path = only_file(tmp_path)
-    data = path.read_bytes()
-    key_len, n_tokens = len(KEY.encode()), len(TOKENS)
-    fixed = _FIXED.pack(MAGIC, VERSION, 0, key_len, n_tokens, 1 << 50, 0, 0)[:32]
-    rest = data[FIXED_SIZE : FIXED_SIZE + key_len + 4 * n_tokens]
-    crc = zlib.crc32(rest[key_len:], zlib.crc32(rest[:key_len], zlib.crc32(fixed)))
-    path.write_bytes(fixed + struct.pack("<I", crc) + rest + bytes(1000))
+    key = KEY.encode()
+    body = GUARD + key + struct.pack(f"<{len(TOKENS)}i", *TOKENS)
+    fixed = _FIXED.pack(VERSION, 0, len(key), len(TOKENS), 1 << 50, 0, 0, MAGIC)[:28]
+    crc = zlib.crc32(fixed, zlib.crc32(body))
+    path.write_bytes(bytes(1000) + body + fixed + struct.pack("<I", crc) + MAGIC)
     assert t.read("e1") is None  # refused before allocating 1 PiB
     assert not path.exists()
+
+
+def test_a_foreign_file_that_lost_nothing_is_left_alone(tmp_path: Path) -> None:
+    """A file named like an entry that is neither ours by magic nor the engine's: kept."""
+    stranger = tmp_path / f"{PREFIX}-zz.kv"
+    stranger.write_bytes(b"not a state" * 100)
+    assert tier(tmp_path).scan() == []
+    assert stranger.exists()
