@@ -199,7 +199,7 @@ class LlamaEngine:
         joins their threads and frees the model and contexts piece by piece: 30-70 ms for
         the bundled LLMs, which the next model of a swap waited for. When the process exits
         right after, the kernel frees all of it at once: the engine is left running."""
-        if process_exit:
+        if process_exit and server is not None:
             _LEFT_FOR_EXIT.append(server)
 
     def _start_server(self, params: Any) -> Any:
