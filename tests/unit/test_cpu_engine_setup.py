@@ -34,6 +34,20 @@ def fake_wheel(folder: Path, version: str) -> Path:
     return wheel
 
 
+def cache_name(version: str) -> str:
+    """The cached wheel's folder: the version, the machine and the script's build options."""
+    flags = subprocess.run(
+        ["bash", "-c", f'source <(sed -n "/^cpu_flags()/,/^}}/p" {SCRIPT}); cpu_flags'],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    digest = subprocess.run(
+        ["cksum"], input=flags, capture_output=True, text=True, check=True
+    ).stdout.split()[0]
+    return f"xllamacpp-{version}-cpu-{os.uname().machine}-{digest}"
+
+
 def run(tmp_path: Path, venv_dir: Path, path: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PATH": path, "ELBOWROOM_VENV": str(venv_dir)}
     env["ELBOWROOM_CACHE"] = str(tmp_path / "cache")
@@ -50,8 +64,7 @@ def test_a_cached_build_is_installed_without_compiling(tmp_path: Path) -> None:
     probe = subprocess.run([venv_dir / "bin" / "python", "-m", "pip", "--version"], check=False)
     if probe.returncode != 0:
         venv.create(venv_dir, with_pip=True, clear=True)
-    arch = os.uname().machine
-    fake_wheel(tmp_path / "cache" / "wheels" / f"xllamacpp-{VERSION[1]}-cpu-{arch}", VERSION[1])
+    fake_wheel(tmp_path / "cache" / "wheels" / cache_name(VERSION[1]), VERSION[1])
     done = run(tmp_path, venv_dir, os.environ["PATH"])
     assert done.returncode == 0, done.stderr
     py = venv_dir / "bin" / "python"
@@ -69,6 +82,7 @@ def test_no_compiler_is_a_clear_error(tmp_path: Path) -> None:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     tools = ("bash", "dirname", "sed", "uname", "ls", "grep", "head", "cat", "mktemp", "rm")
+    tools += ("cut", "cksum")
     for tool in tools:
         found = next(
             (
