@@ -221,7 +221,7 @@ class DiskTier:
             return False
         with contextlib.suppress(FileNotFoundError):
             dest.unlink()
-        dest.symlink_to(self._path(eid))
+        dest.symlink_to(self._path(eid).absolute())  # kv_cache_dir may be relative
         return True
 
     def _use(self, eid: str, fn: Callable[[BufferedReader, Header], _T]) -> _T | None:

@@ -73,6 +73,19 @@ def test_link_to_gives_the_engine_the_verified_entry(tmp_path: Path) -> None:
     assert not (tmp_path / "other.bin").exists()
 
 
+def test_link_to_works_from_a_relative_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    t = tier(Path("kv"))
+    state = os.urandom(1000)
+    t.write("e1", TOKENS, state)
+    (tmp_path / "engine").mkdir()
+    dest = tmp_path / "engine" / "restore.bin"
+    assert t.link_to("e1", dest)
+    assert dest.read_bytes()[: len(state)] == state  # resolves from the engine's directory
+
+
 def test_link_to_refuses_a_corrupt_or_truncated_entry_and_removes_it(tmp_path: Path) -> None:
     t = tier(tmp_path / "kv")
     t.write("e1", TOKENS, os.urandom(20_000))
