@@ -15,8 +15,9 @@ is ``0700`` (tightened if it is ours and looser; another user's directory turns 
 off), files are ``0600``, temporary files are created with ``O_CREAT | O_EXCL |
 O_NOFOLLOW`` (a planted symlink or file is never written through), every open is
 ``O_NOFOLLOW | O_NONBLOCK`` and must find a regular file (a planted FIFO cannot hang the
-runner), and only regular files of ours that start with the format's magic are ever
-deleted (``_ours``): eviction and clean-up leave anything else alone. A payload length
+runner), and only regular files of ours that carry the format's magic (or begin like the
+engine's slot files) are ever deleted (``_ours``): eviction and clean-up leave anything
+else alone. A payload length
 above the tier's cap or the file's size is corrupt before anything is allocated for it.
 
 A restore hands the engine a symlink to the verified entry (``link_to``): the entry file
@@ -160,15 +161,12 @@ class DiskTier:
             try:
                 with _open_regular(path) as f:
                     st = os.fstat(f.fileno())
-                    header = self._read_trailer(f)
+                    header = self._read_trailer(f, st.st_size)
             except (OSError, FormatError) as exc:
                 self._discard(path, str(exc))
                 continue
             if header.key != self._key:
                 self._discard(path, "cache key mismatch")
-                continue
-            if st.st_size != header.file_size:
-                self._discard(path, f"size {st.st_size} != {header.file_size} (truncated)")
                 continue
             entry = DiskEntry(eid, header.tokens, st.st_size, header.payload_len)
             found.append((st.st_mtime, entry))
@@ -179,8 +177,9 @@ class DiskTier:
             self._bytes += entry.nbytes
         return list(self._entries.values())
 
-    def _read_trailer(self, f: BufferedReader) -> Header:
-        size = os.fstat(f.fileno()).st_size
+    def _read_trailer(self, f: BufferedReader, size: int) -> Header:
+        """The trailer of the open entry file of ``size`` bytes, checked against that size
+        (a file cut short or grown is corrupt) and the tier's cap."""
         if size < FIXED_SIZE:
             raise FormatError("truncated trailer")
         f.seek(size - FIXED_SIZE)
@@ -191,6 +190,8 @@ class DiskTier:
         header = decode_trailer(f.read(length))
         if header.payload_len > self.cap:
             raise FormatError(f"payload of {header.payload_len} bytes is over the cap")
+        if header.file_size != size:
+            raise FormatError(f"size {size} != {header.file_size} (truncated?)")
         return header
 
     def _remove_stale_tmp(self, path: Path) -> None:
@@ -225,7 +226,7 @@ class DiskTier:
         return True
 
     def _use(self, eid: str, fn: Callable[[BufferedReader, Header], _T]) -> _T | None:
-        """``fn`` on the entry's open file once its header matches the index and its size;
+        """``fn`` on the entry's open file once its trailer matches the index and its size;
         None (and the file removed) when anything about it is wrong."""
         entry = self._entries.get(eid)
         if entry is None:
@@ -233,11 +234,9 @@ class DiskTier:
         path = self._path(eid)
         try:
             with _open_regular(path) as f:
-                header = self._read_trailer(f)
+                header = self._read_trailer(f, os.fstat(f.fileno()).st_size)
                 if header.key != self._key or header.tokens != entry.tokens:
-                    raise FormatError("header does not match the index")
-                if os.fstat(f.fileno()).st_size != header.file_size:
-                    raise FormatError("size does not match the header (truncated?)")
+                    raise FormatError("trailer does not match the index")
                 out = fn(f, header)
         except (OSError, FormatError, ValueError) as exc:
             self.remove(eid)
