@@ -29,6 +29,7 @@ from elbowroom.errors import ElbowroomError, EngineError, RunnerCrashed, Unavail
 from elbowroom.memory.types import ZERO_PROCESS_MEMORY, ProcessMemory, Snapshot
 from elbowroom.models.spec import ModelSpec
 from elbowroom.runtime.protocol import (
+    STATS_TIMEOUT,
     ExitCallback,
     ReadyInfo,
     Runner,
@@ -40,7 +41,6 @@ from elbowroom.runtime.protocol import (
 log = logging.getLogger("elbowroom.cluster")
 
 _keys = itertools.count(1)
-STATS_TIMEOUT = 5.0
 
 
 def _ray_errors() -> tuple[type[BaseException], ...]:
@@ -155,12 +155,11 @@ class RemoteRunner(RunnerStatus):
     direct_streams = False
 
     def __init__(self, spec: ModelSpec, on_exit: ExitCallback, *, node: Node) -> None:
+        super().__init__()
         self.spec = spec
         self.node = node
         self._on_exit = on_exit
         self._key = f"{spec.id}#{next(_keys)}"
-        self._state = RunnerState.NEW
-        self._exit_cause: str | None = None
         self._pid: int | None = None
         self._exited = asyncio.Event()
         self._watch: asyncio.Task[None] | None = None

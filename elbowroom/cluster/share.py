@@ -122,13 +122,12 @@ class ShareRunner(RunnerStatus):
     def __init__(
         self, spec: ModelSpec, on_exit: ExitCallback, *, node: Node, hooks: ShareHooks
     ) -> None:
+        super().__init__()
         self.spec = spec
         self.node = node
         self.hooks = hooks
         self._on_exit = on_exit
         self._key = f"rpc:{spec.id}#{next(_keys)}"
-        self._state = RunnerState.NEW
-        self._exit_cause: str | None = None
         self._pid: int | None = None
         self.endpoint: str | None = None
         self._done = False

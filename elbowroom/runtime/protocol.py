@@ -40,13 +40,18 @@ class RunnerState(enum.StrEnum):
     CRASHED = "crashed"
 
 
+# How long a runner's stats request waits for its answer (local or over the cluster).
+STATS_TIMEOUT = 5.0
+
+
 class RunnerStatus:
     """``state`` and ``exit_cause`` as every Runner reports them: the implementations
-    (the local Supervisor, a cluster node's RemoteRunner, a split's ShareRunner) set
-    ``_state`` and ``_exit_cause``; these read them."""
+    (the local Supervisor, a cluster node's RemoteRunner, a split's ShareRunner) start NEW
+    with no exit cause and set ``_state`` and ``_exit_cause``; these read them."""
 
-    _state: RunnerState
-    _exit_cause: str | None
+    def __init__(self) -> None:
+        self._state = RunnerState.NEW
+        self._exit_cause: str | None = None
 
     @property
     def state(self) -> RunnerState:

@@ -36,6 +36,7 @@ from elbowroom.memory.process import measure_tree
 from elbowroom.memory.types import ZERO_PROCESS_MEMORY, ProcessMemory
 from elbowroom.models.spec import ModelSpec
 from elbowroom.runtime.protocol import (
+    STATS_TIMEOUT,
     ExitCallback,
     ReadyInfo,
     Runner,
@@ -47,7 +48,6 @@ from elbowroom.runtime.worker import worker_main
 
 log = logging.getLogger(__name__)
 
-STATS_TIMEOUT = 5.0
 
 # (child end of the pipe, spec, options) -> a started process. Tests inject their own.
 Spawn = Callable[[Connection, ModelSpec, EngineOptions], BaseProcess]
@@ -114,13 +114,12 @@ class Supervisor(RunnerStatus):
         spawn: Spawn = spawn_worker,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        super().__init__()
         self.spec = spec
         self._on_exit = on_exit
         self._settings = settings
         self._spawn = spawn
         self._clock = clock
-        self._state = RunnerState.NEW
-        self._exit_cause: str | None = None
         self._proc: BaseProcess | None = None
         self._conn: Connection | None = None
         self._reader: threading.Thread | None = None
