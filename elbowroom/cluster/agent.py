@@ -78,15 +78,23 @@ class NodeAgent:
 
     async def poll(self) -> dict[str, Any]:
         """One reading: the node's snapshot, the agent's own bytes, each runner's bytes."""
-        snap: Snapshot = await asyncio.to_thread(self._probe)
+        return await asyncio.to_thread(self._reading)
+
+    def _reading(self) -> dict[str, Any]:
+        """The runners are measured right before the probe, in one go (one thread, no
+        await between): the head takes ``snapshot − runners − agent`` as what other
+        processes hold, so a runner measured even a tenth of a second after the snapshot
+        while it loads (hundreds of MiB/s) would show up as another process shrinking,
+        then growing — a trend the pressure guard answers by unloading an idle model."""
+        runners = {key: sup.measure() for key, sup in list(self._runners.items())}
+        for key, proc in list(self._rpc.items()):
+            with contextlib.suppress(ProcessLookupError, OSError):
+                runners[key] = measure_pid(proc.pid)
+        snap: Snapshot = self._probe()
         try:
             agent = measure_pid(os.getpid()).anonymous
         except (ProcessLookupError, OSError):
             agent = 0
-        runners = {key: sup.measure() for key, sup in self._runners.items()}
-        for key, proc in self._rpc.items():
-            with contextlib.suppress(ProcessLookupError, OSError):
-                runners[key] = measure_pid(proc.pid)
         return {"snapshot": snap, "agent_bytes": agent, "runners": runners}
 
     # ---- one runner ------------------------------------------------------------------

@@ -200,6 +200,7 @@ class ClusterServices:
         # The node scheduler's monitor samples that node's reading (its own usage: the
         # node's runners as the node measured them, plus the agent).
         monitor = scheduler.monitor
+        monitor.pair(node.lock)
         guard = PressureGuard(
             SchedulerTarget(scheduler),
             enabled=self.settings.memory_guard,

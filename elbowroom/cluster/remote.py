@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -86,6 +87,9 @@ class Node:
         self.name = name
         self.agent = agent
         self.reading = reading
+        # Held while a reading is replaced, and by the node's monitor while it takes the
+        # snapshot and our usage: both must come from the same reading (Monitor.pair).
+        self.lock = threading.Lock()
         self.alive = True
         self.gone_cause: str | None = None
         self._runners: set[_OnNode] = set()
@@ -123,7 +127,8 @@ class Node:
         except _ray_errors() as exc:
             self.mark_gone(f"node {self.name} is gone ({type(exc).__name__})")
             return
-        self.reading = Reading(data["snapshot"], data["agent_bytes"], data["runners"])
+        with self.lock:
+            self.reading = Reading(data["snapshot"], data["agent_bytes"], data["runners"])
 
     def on_gone(self, callback: Callable[[Node], None]) -> None:
         self._on_gone.append(callback)

@@ -21,6 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +96,7 @@ class Monitor:
         self._on_sample = on_sample
         self._history: deque[Sample] = deque(maxlen=max(1, math.ceil(history_seconds / interval)))
         self._lock = threading.Lock()
+        self._together: AbstractContextManager[object] = nullcontext()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -137,6 +139,13 @@ class Monitor:
     def probe(self) -> Probe:
         return self._probe
 
+    def pair(self, together: AbstractContextManager[object]) -> None:
+        """Hold ``together`` while the probe and our usage are read: a probe and usage
+        that come from one reading replaced by another thread (a cluster node's) must
+        describe the same moment, or a loading runner's growth between the two reads
+        looks like another process growing."""
+        self._together = together
+
     def subscribe(self, on_sample: Callable[[Sample], None]) -> None:
         """Hand every recorded sample to ``on_sample`` (one subscriber: the pressure guard);
         it runs in the monitor's thread."""
@@ -154,12 +163,14 @@ class Monitor:
 
     def read(self) -> Sample:
         """A fresh sample, not recorded nor handed on; errors from the probe propagate."""
-        snap = self._probe()
-        own = self._own_usage()
+        with self._together:
+            snap = self._probe()
+            own = self._own_usage()
+            own_gpu = self._own_gpu()
         pools = memory_pools(
             snap,
             own,
-            self._own_gpu(),
+            own_gpu,
             self._cfg,
             gpu_reserve_bytes=self._gpu_reserve,
             gpu_override=self._gpu_override,

@@ -176,3 +176,33 @@ def test_from_settings_builds_the_one_budget_config_and_gpu_pools() -> None:
     assert host.limit == sample.limit
     assert card.name == "gpu0" and card.ours == 1 * GiB and card.total == 8 * GiB
     assert sample.limit.soft == int(sample.limit.value * 0.88)
+
+
+def test_paired_probe_and_usage_come_from_one_reading() -> None:
+    """A cluster node's snapshot and our usage come from one reading that another thread
+    replaces: with ``pair`` the replacement waits until both are read, so a sample never
+    mixes an old snapshot with a newer (grown) usage."""
+    lock = threading.Lock()
+    reading = {"available": 8 * GiB, "ours": 1 * GiB}
+    swapped = threading.Event()
+
+    def replace() -> None:  # the next reading: a loading runner grew by 300 MiB
+        with lock:
+            reading.update(available=8 * GiB - 300 * MiB, ours=1 * GiB + 300 * MiB)
+        swapped.set()
+
+    swapper = threading.Thread(target=replace)
+
+    def probe() -> Snapshot:
+        avail = reading["available"]
+        swapper.start()
+        # Unpaired, the replacement lands here, between the snapshot and our usage.
+        swapped.wait(0.3)
+        return Snapshot("linux", 16 * GiB, avail, 16 * GiB - avail, 16 * GiB, avail)
+
+    mon = Monitor(probe, own_usage=lambda: reading["ours"], cfg=CFG)
+    mon.pair(lock)
+    sample = mon.read()
+    swapper.join(WAIT)
+    assert swapped.is_set()  # the replacement landed once the sample was taken
+    assert (sample.snapshot.available, sample.own_usage) == (8 * GiB, 1 * GiB)
