@@ -11,7 +11,10 @@ per-slot context, batch sizes and RAM prompt-cache size, in one run:
   CPU variants (``cpu_options``): ``llama-server:native`` (this CPU's instruction sets)
   and ``llama-server:wheel`` (the PyPI wheel's), so a gap can be told apart from kernels;
 * xllamacpp in-process: ``xllamacpp.Server`` in this process with the parameters that
-  elbowroom's engine gives it (``engines/llama.py``), called from one thread per stream.
+  elbowroom's engine gives it (``engines/llama.py``), called from one thread per stream;
+  ``xllamacpp:http``: the same engine from the same installed wheel serving its own
+  OpenAI HTTP API in a plain Python process (``--engine-http``), read like llama-server —
+  what any server built on that wheel can reach, before elbowroom adds anything.
 
 For each concurrency N (``--streams``) a round sends N streamed chats at once (a barrier
 releases them together) and reads them to the end. Rounds are interleaved: round r runs
@@ -458,6 +461,73 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def engine_params(model: Path, slots: int, ctx: int, threads: int) -> Any:
+    """``xllamacpp.CommonParams`` as elbowroom's engine sets them (``engines/llama.py``)."""
+    import xllamacpp
+
+    p = xllamacpp.CommonParams()
+    p.model.path = str(model)
+    p.n_ctx = ctx * slots
+    p.n_parallel = slots
+    p.kv_unified = False
+    p.n_batch = N_BATCH
+    p.n_ubatch = N_BATCH
+    p.cache_type_k = xllamacpp.ggml_type.GGML_TYPE_F16
+    p.cache_type_v = xllamacpp.ggml_type.GGML_TYPE_F16
+    p.flash_attn_type = xllamacpp.llama_flash_attn_type.LLAMA_FLASH_ATTN_TYPE_AUTO
+    p.cpuparams.n_threads = threads
+    p.cpuparams_batch.n_threads = threads
+    p.cache_ram_mib = CACHE_RAM_MIB
+    p.n_gpu_layers = 0
+    p.fit_params = False
+    p.ctx_shift = False
+    p.endpoint_metrics = True
+    p.verbosity = 0
+    return p
+
+
+def serve_engine_http(model: Path, slots: int, ctx: int, threads: int, port: int) -> None:
+    """``xllamacpp:http``'s process: the engine's own HTTP server on 127.0.0.1:``port``
+    until SIGTERM."""
+    import xllamacpp
+
+    p = engine_params(model, slots, ctx, threads)
+    p.hostnames = ["127.0.0.1"]
+    p.port = port
+    server = xllamacpp.Server(p)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    print(f"serving on 127.0.0.1:{port}", flush=True)
+    stop.wait()
+    del server
+
+
+class EngineHttp(HttpSystem):
+    """The installed xllamacpp wheel's own HTTP server in a plain Python process."""
+
+    name = "xllamacpp:http"
+
+    def __init__(self, home: Path, slots: int, ctx: int, threads: int) -> None:
+        port = _free_port()
+        self.log = home / f"xllamacpp-http-{slots}.log"
+        self.cmd = [sys.executable, str(Path(__file__).resolve()), "--engine-http", str(port)]
+        self.cmd += ["--ctx", str(ctx), "--threads", str(threads), "--slots", str(slots)]
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        super().__init__(f"http://127.0.0.1:{port}")
+        _wait_http(self.url, self.proc, self.log, "/health")
+        self.setup = {"command": self.cmd}
+
+    def cpu(self) -> dict[str, float]:
+        return {"server": cpu_seconds(self.proc.pid)}
+
+    def stop(self) -> None:
+        super().stop()
+        _terminate(self.proc)
+
+
 class InProcess:
     """``xllamacpp.Server`` in this process, loaded as elbowroom's engine loads it, fed the
     request body elbowroom's engine sends (streaming, usage, progress, cache_prompt)."""
@@ -467,24 +537,7 @@ class InProcess:
     def __init__(self, model: Path, slots: int, ctx: int, threads: int) -> None:
         import xllamacpp
 
-        p = xllamacpp.CommonParams()
-        p.model.path = str(model)
-        p.n_ctx = ctx * slots
-        p.n_parallel = slots
-        p.kv_unified = False
-        p.n_batch = N_BATCH
-        p.n_ubatch = N_BATCH
-        p.cache_type_k = xllamacpp.ggml_type.GGML_TYPE_F16
-        p.cache_type_v = xllamacpp.ggml_type.GGML_TYPE_F16
-        p.flash_attn_type = xllamacpp.llama_flash_attn_type.LLAMA_FLASH_ATTN_TYPE_AUTO
-        p.cpuparams.n_threads = threads
-        p.cpuparams_batch.n_threads = threads
-        p.cache_ram_mib = CACHE_RAM_MIB
-        p.n_gpu_layers = 0
-        p.fit_params = False
-        p.ctx_shift = False
-        p.endpoint_metrics = True
-        p.verbosity = 0
+        p = engine_params(model, slots, ctx, threads)
         self.server: Any = xllamacpp.Server(p)
         self.setup = {
             "params": {"n_ctx": p.n_ctx, "n_parallel": p.n_parallel, "threads": threads},
@@ -628,6 +681,8 @@ def start_systems(
                 started.append(Elbowroom(home, slots, args.ctx, args.threads, variant))
             elif name == "xllamacpp":
                 started.append(InProcess(model, slots, args.ctx, args.threads))
+            elif name == "xllamacpp:http":
+                started.append(EngineHttp(home, slots, args.ctx, args.threads))
             else:
                 cpu = name.partition(":")[2] or "native"
                 binary = llama_server_binary(args.xllamacpp_version, cpu)
@@ -780,7 +835,8 @@ def write_report(result: dict[str, Any], out: Path) -> None:
         "the same "
         "httpx SSE client, one thread per stream; **xllamacpp** = `xllamacpp.Server` "
         "in-process with elbowroom's engine parameters and request body, one thread per "
-        "stream, no HTTP.",
+        "stream, no HTTP; **xllamacpp:http** (when run) = the same installed wheel's own "
+        "OpenAI HTTP server in a plain Python process, read like llama-server.",
         "",
         "Aggregate tok/s = completion tokens of all streams / (last stream end − first "
         "request sent). TTFT = request sent → first content token, p50/p95 over a round's "
@@ -877,11 +933,11 @@ def _names(text: str) -> list[str]:
     for name in names:
         system, _, cpu = name.partition(":")
         ok = system in ("elbowroom", "xllamacpp") and not cpu
-        ok |= name in ("elbowroom:pipe", "elbowroom:asyncio")
+        ok |= name in ("elbowroom:pipe", "elbowroom:asyncio", "xllamacpp:http")
         ok |= system == "llama-server" and cpu in ("", *CPU_VARIANTS)
         if not ok:
             raise argparse.ArgumentTypeError(
-                f"unknown system {name!r}: elbowroom[:pipe|:asyncio], xllamacpp, "
+                f"unknown system {name!r}: elbowroom[:pipe|:asyncio], xllamacpp[:http], "
                 "llama-server[:native|:wheel]"
             )
     return ["llama-server:native" if n == "llama-server" else n for n in names]
@@ -899,13 +955,15 @@ def main(argv: list[str] | None = None) -> int:
         type=_names,
         default=_names("elbowroom,elbowroom:pipe,llama-server:native,llama-server:wheel,xllamacpp"),
         help="comma list of elbowroom, elbowroom:pipe, elbowroom:asyncio, xllamacpp,"
-        " llama-server:native, "
-        "llama-server:wheel",
+        " xllamacpp:http, llama-server:native, llama-server:wheel",
     )
     parser.add_argument(
         "--baseline", default="llama-server:native", help="the system the targets compare to"
     )
     parser.add_argument("--build-only", action="store_true", help="build llama-server, exit")
+    # xllamacpp:http's own process (EngineHttp starts it): serve on this port until SIGTERM.
+    parser.add_argument("--engine-http", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--slots", type=int, default=4, help=argparse.SUPPRESS)
     parser.add_argument(
         "--out", type=Path, default=REPO / "benchmarks" / "results" / "engine_speed.md"
     )
@@ -919,6 +977,9 @@ def main(argv: list[str] | None = None) -> int:
 
     settings = load_settings(environ={})
     model = next(s.path for s in bundled_specs(settings) if s.id == MODEL)
+    if args.engine_http is not None:
+        serve_engine_http(model, args.slots, args.ctx, args.threads, args.engine_http)
+        return 0
     load_start = os.getloadavg()
     rounds, setups = run_all(args, model)
     table = summarize(rounds, args.systems, args.streams)

@@ -96,8 +96,11 @@ def test_system_names_are_checked() -> None:
         "llama-server:native",
         "xllamacpp",
     ]
+    assert es._names("xllamacpp:http") == ["xllamacpp:http"]
     with pytest.raises(argparse.ArgumentTypeError, match="llama-server"):
         es._names("elbowroom,llama-server:avx9")
+    with pytest.raises(argparse.ArgumentTypeError, match="xllamacpp"):
+        es._names("xllamacpp:grpc")
 
 
 def test_ratio_rows_divide_each_system_by_the_baseline() -> None:
