@@ -222,3 +222,74 @@ def test_a_request_arriving_while_idle_slots_are_saved_waits_for_a_slot(tmp_path
     saver.join(10)
     arriving.join(10)
     assert got == [idle] and idle != busy
+
+
+class _CharEngine:
+    """The engine's control socket at the edge: a chat template that joins the turns, a
+    tokenizer with one token per character (BOS = 1), and a record of what it tokenized."""
+
+    def __init__(self) -> None:
+        self.tokenized: list[tuple[str, bool]] = []
+
+    @staticmethod
+    def render(messages: list[dict[str, str]]) -> str:
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    @staticmethod
+    def tokens(text: str) -> tuple[int, ...]:
+        return (1, *(ord(c) for c in text))
+
+    def request(self, method: str, path: str, body: Any = None) -> Any:
+        if path == "/apply-template":
+            return {"prompt": self.render(body["messages"])}
+        assert path == "/tokenize", path
+        self.tokenized.append((body["content"], body["add_special"]))
+        bos = [1] if body["add_special"] else []
+        return {"tokens": bos + [ord(c) for c in body["content"]]}
+
+
+class _Lookups(PrefixCache):
+    """The prefix cache, recording the tokens each disk-tier lookup was given."""
+
+    seen: list[tuple[tuple[int, ...], int]]
+
+    def lookup(self, tokens: Any, live: int = 0) -> Any:
+        self.seen.append((tuple(tokens), live))
+        return super().lookup(tokens, live)
+
+
+def test_a_conversation_s_next_turn_tokenizes_only_what_it_adds(tmp_path: Path) -> None:
+    engine = _CharEngine()
+    cache = _Lookups(
+        CacheKey("m", 1024, "f16"), block_tokens=64, ram_budget=0, disk_dir=tmp_path / "kv",
+        disk_max=MiB,
+    )  # fmt: skip
+    cache.seen = []
+    state = SEQ_MAGIC.to_bytes(4, "little") + (4).to_bytes(4, "little") + b"\0" * 64
+    assert cache.store(tuple(range(2, 200)), state)  # another conversation's state on disk
+    cache.flush()
+    slots = Slots(cast(EngineControl, engine), 2, cache, tmp_path, block_tokens=64)
+
+    def turn(messages: list[dict[str, str]]) -> int:
+        rendered = engine.render(messages)
+        slot = slots.acquire(rendered)
+        slots.prepare(slot, "chat", {"messages": messages})
+        slots.release(slot)
+        return slot
+
+    first = [{"role": "user", "content": "Tell me about the sea and its old ships. " * 3}]
+    second = [*first, {"role": "assistant", "content": "It is wide."}]
+    second.append({"role": "user", "content": "And deep?"})
+    one, two = engine.render(first), engine.render(second)
+    slot = turn(first)
+    assert turn(second) == slot  # the conversation keeps its slot
+    # The second turn sent only what it added (no BOS), and the lookup saw exactly the
+    # whole prompt's tokens, with the first turn's as the slot's live prefix.
+    assert engine.tokenized == [(one, True), (two[len(one) :], False)]
+    assert cache.seen[-1] == (engine.tokens(two), len(engine.tokens(one)))
+    # A rewritten answer: the prompt no longer extends what the slot served, so it is
+    # tokenized whole (on the same slot: it still shares the long first turn).
+    edited = [*first, {"role": "assistant", "content": "It is very wide."}, second[2]]
+    assert turn(edited) == slot
+    assert engine.tokenized[-1] == (engine.render(edited), True)
+    assert cache.seen[-1][0] == engine.tokens(engine.render(edited))
