@@ -206,22 +206,31 @@ class Slots:
     def _lookup_tokens(
         self, slot: int, op: str, body: dict[str, Any]
     ) -> tuple[str, tuple[int, ...]]:
-        """The prompt as the engine renders it and its tokens, for the disk-tier lookup. A
-        conversation's next request repeats what its slot last served and adds to it: then
-        only the added text is tokenized (here a 7,600-token conversation takes 28 ms to
-        tokenize whole, its next turn a millisecond or two). At the seam the split can
-        differ from a whole tokenization by a token; that only shortens the prefix this
-        lookup sees, never what is reused: the engine compares its own tokens."""
+        """The prompt as the engine renders it and its tokens, for the disk-tier lookup.
+        A conversation's next request repeats what its slot last served, or a prompt saved
+        in the disk tier, and adds to it: then only the added text is tokenized (here a
+        7,600-token conversation takes 28 ms to tokenize whole, its next turn a millisecond
+        or two; a swapped-out model's prompt, back in a new runner, none). At the seam the
+        split can differ from a whole tokenization by a token; that only shortens the
+        prefix this lookup sees, never what is reused: the engine compares its own tokens."""
+        assert self._cache is not None
         rendered = self._render(op, body)
         before, known = self._texts[slot], self._tokens[slot]
-        if before and known and rendered.startswith(before):
-            rest = rendered[len(before) :]
-            return rendered, known + (self._tokenize(rest, first=False) if rest else ())
-        return rendered, self._tokenize(rendered, first=True)
+        if not (before and known and rendered.startswith(before)):
+            before, known = "", ()
+        saved, saved_tokens = self._cache.known_text(rendered)
+        if len(saved) > len(before):
+            before, known = saved, saved_tokens
+        if not before:
+            return rendered, self._tokenize(rendered, first=True)
+        rest = rendered[len(before) :]
+        return rendered, known + (self._tokenize(rest, first=False) if rest else ())
 
-    def _prompt_tokens(self, op: str, body: dict[str, Any]) -> tuple[int, ...]:
-        """The prompt's tokens, tokenized whole: what a saved state is indexed by."""
-        return self._tokenize(self._render(op, body), first=True)
+    def _prompt_text_tokens(self, op: str, body: dict[str, Any]) -> tuple[str, tuple[int, ...]]:
+        """The rendered prompt and its tokens, tokenized whole: what a saved state is
+        indexed by."""
+        rendered = self._render(op, body)
+        return rendered, self._tokenize(rendered, first=True)
 
     def _render(self, op: str, body: dict[str, Any]) -> str:
         if op == "chat" and "messages" in body:
@@ -295,7 +304,7 @@ class Slots:
             name = f"save-{slot}.bin"
             path = self._save_dir / name
             try:
-                tokens = self._prompt_tokens(op, body)
+                text, tokens = self._prompt_text_tokens(op, body)
                 if not self._cache.wants(tokens):
                     continue  # too short, or a saved state already covers it
                 self._control.request("POST", f"/slots/{slot}?action=save", {"filename": name})
@@ -305,7 +314,7 @@ class Slots:
                 continue
             finally:
                 path.unlink(missing_ok=True)
-            if is_slot_state(blob) and self._cache.store(tokens, blob):
+            if is_slot_state(blob) and self._cache.store(tokens, blob, text):
                 written += 1
         self._cache.flush()
         if written:

@@ -2,7 +2,8 @@
 
     lookup(tokens, live)  -> Hit | None   the best cached prefix worth restoring
     restore(hit, apply)   -> bool          fetch the state, hand it to ``apply``, learn speed
-    store(tokens, state)  -> bool          after a request: the context's tokens + its state
+    store(tokens, state, text) -> bool     after a request: the context's tokens + its state
+    known_text(prompt)    -> (text, tokens) the longest stored prompt text ``prompt`` extends
     set_ram_budget(bytes)                  a new grant; what no longer fits spills to disk
     flush()                                RAM tier -> disk (graceful unload)
     stats()                                counters for /api/ps
@@ -73,6 +74,7 @@ class _Meta:
     hashes: tuple[bytes, ...]
     tier: Tier
     nbytes: int
+    text: str = ""  # the rendered prompt the tokens came from ("": not known)
 
 
 @dataclass(slots=True)
@@ -131,7 +133,7 @@ class PrefixCache:
         self._lock = threading.RLock()
         if self._disk is not None:
             for d in self._disk.scan():
-                self._add_meta(d.eid, d.tokens, Tier.DISK, d.payload_bytes)
+                self._add_meta(d.eid, d.tokens, Tier.DISK, d.payload_bytes, d.text)
 
     # ---- lookups and restores ---------------------------------------------------------------
 
@@ -244,8 +246,9 @@ class PrefixCache:
         with self._lock:
             return self._covering(tuple(tokens)) is None
 
-    def store(self, tokens: Sequence[int], state: Blob) -> bool:
-        """Keep ``state`` (the context holding exactly ``tokens``); False if not kept."""
+    def store(self, tokens: Sequence[int], state: Blob, text: str = "") -> bool:
+        """Keep ``state`` (the context holding exactly ``tokens``); False if not kept.
+        ``text``: the rendered prompt the tokens were made from, if known (``known_text``)."""
         toks = tuple(tokens)
         if len(toks) < self.block_tokens or not state:
             return False
@@ -260,9 +263,20 @@ class PrefixCache:
                 if _is_prefix(self._meta[old].tokens, toks):
                     self._forget(old)
             eid = entry_id(toks, self._seed)
-            self._add_meta(eid, toks, Tier.RAM, len(state))
-            self._spill(self._ram.put(RamEntry(eid, toks, state)))
+            self._add_meta(eid, toks, Tier.RAM, len(state), text)
+            self._spill(self._ram.put(RamEntry(eid, toks, state, text)))
             return eid in self._meta
+
+    def known_text(self, prompt: str) -> tuple[str, tuple[int, ...]]:
+        """The longest stored prompt text that ``prompt`` begins with, and the tokens it
+        was stored with (``("", ())`` when none): a caller tokenizes only the rest."""
+        best: tuple[str, tuple[int, ...]] = ("", ())
+        with self._lock:
+            for meta in self._meta.values():
+                text = meta.text
+                if len(text) > len(best[0]) and prompt.startswith(text):
+                    best = (text, meta.tokens)
+        return best
 
     def _related(self, hashes: Sequence[bytes]) -> set[str]:
         """Entries sharing at least the first block with these hashes."""
@@ -301,12 +315,13 @@ class PrefixCache:
     def _spill(self, evicted: list[RamEntry]) -> None:
         for entry in evicted:
             if self._disk is not None:
-                result = self._disk.write(entry.eid, entry.tokens, entry.state)
+                result = self._disk.write(entry.eid, entry.tokens, entry.state, entry.text)
                 for gone in result.evicted:
                     self._drop_meta(gone)
                 if result.written:
+                    meta = self._meta[entry.eid]
                     self._meta[entry.eid] = _Meta(
-                        entry.tokens, self._meta[entry.eid].hashes, Tier.DISK, entry.nbytes
+                        entry.tokens, meta.hashes, Tier.DISK, entry.nbytes, meta.text
                     )
                     self._n.spilled += 1
                     continue
@@ -315,9 +330,11 @@ class PrefixCache:
 
     # ---- bookkeeping -------------------------------------------------------------------
 
-    def _add_meta(self, eid: str, tokens: tuple[int, ...], tier: Tier, nbytes: int) -> None:
+    def _add_meta(
+        self, eid: str, tokens: tuple[int, ...], tier: Tier, nbytes: int, text: str = ""
+    ) -> None:
         hashes = chain_hashes(tokens, self.block_tokens, self._seed)
-        self._meta[eid] = _Meta(tokens, hashes, tier, nbytes)
+        self._meta[eid] = _Meta(tokens, hashes, tier, nbytes, text)
         self._index.add(eid, hashes)
 
     def _drop_meta(self, eid: str) -> None:

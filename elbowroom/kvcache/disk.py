@@ -43,6 +43,7 @@ from elbowroom.kvcache.fileformat import (
     ENGINE_MAGIC,
     FIXED_SIZE,
     MAGIC,
+    TAIL_SIZE,
     Blob,
     FormatError,
     Header,
@@ -69,6 +70,7 @@ class DiskEntry:
     tokens: tuple[int, ...]
     nbytes: int  # the file's size
     payload_bytes: int  # the state's size (what a restore hands the engine)
+    text: str = ""  # the rendered prompt the tokens came from ("": not recorded)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +170,7 @@ class DiskTier:
             if header.key != self._key:
                 self._discard(path, "cache key mismatch")
                 continue
-            entry = DiskEntry(eid, header.tokens, st.st_size, header.payload_len)
+            entry = DiskEntry(eid, header.tokens, st.st_size, header.payload_len, header.text)
             found.append((st.st_mtime, entry))
         self._entries.clear()
         self._bytes = 0
@@ -182,8 +184,9 @@ class DiskTier:
         (a file cut short or grown is corrupt) and the tier's cap."""
         if size < FIXED_SIZE:
             raise FormatError("truncated trailer")
-        f.seek(size - FIXED_SIZE)
-        length = trailer_length(f.read(FIXED_SIZE))
+        tail = min(size, TAIL_SIZE)
+        f.seek(size - tail)
+        length = trailer_length(f.read(tail))
         if length > size:
             raise FormatError("truncated trailer")
         f.seek(size - length)
@@ -247,11 +250,12 @@ class DiskTier:
             os.utime(path)  # recency for the next scan and for other runners' eviction
         return out
 
-    def write(self, eid: str, tokens: tuple[int, ...], state: Blob) -> WriteResult:
-        """Write atomically (temp file + rename), evicting LRU files to stay under the cap."""
+    def write(self, eid: str, tokens: tuple[int, ...], state: Blob, text: str = "") -> WriteResult:
+        """Write atomically (temp file + rename), evicting LRU files to stay under the cap.
+        ``text``: the rendered prompt ``tokens`` came from ("": not known)."""
         if not self.enabled:
             return WriteResult(False)
-        trailer = encode_trailer(self._key, tokens, state)
+        trailer = encode_trailer(self._key, tokens, state, text)
         size = len(state) + len(trailer)
         if size > self.cap:
             return WriteResult(False)
@@ -280,7 +284,7 @@ class DiskTier:
             why = "disk full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "write failed"
             log.warning("KV disk tier: %s, entry not saved (%s): %s", why, path, exc)
             return WriteResult(False, evicted)
-        self._entries[eid] = DiskEntry(eid, tokens, size, len(state))
+        self._entries[eid] = DiskEntry(eid, tokens, size, len(state), text)
         self._bytes += size
         return WriteResult(True, evicted)
 

@@ -228,8 +228,9 @@ class _CharEngine:
     """The engine's control socket at the edge: a chat template that joins the turns, a
     tokenizer with one token per character (BOS = 1), and a record of what it tokenized."""
 
-    def __init__(self) -> None:
+    def __init__(self, slot_dir: Path | None = None) -> None:
         self.tokenized: list[tuple[str, bool]] = []
+        self.slot_dir = slot_dir  # where slot saves go (the runner's private directory)
 
     @staticmethod
     def render(messages: list[dict[str, str]]) -> str:
@@ -242,6 +243,13 @@ class _CharEngine:
     def request(self, method: str, path: str, body: Any = None) -> Any:
         if path == "/apply-template":
             return {"prompt": self.render(body["messages"])}
+        if path.endswith("?action=save"):
+            assert self.slot_dir is not None
+            state = SEQ_MAGIC.to_bytes(4, "little") + (4).to_bytes(4, "little") + b"\0" * 64
+            (self.slot_dir / body["filename"]).write_bytes(state)
+            return {}
+        if path.endswith("?action=restore"):
+            return {}
         assert path == "/tokenize", path
         self.tokenized.append((body["content"], body["add_special"]))
         bos = [1] if body["add_special"] else []
@@ -293,3 +301,33 @@ def test_a_conversation_s_next_turn_tokenizes_only_what_it_adds(tmp_path: Path) 
     assert turn(edited) == slot
     assert engine.tokenized[-1] == (engine.render(edited), True)
     assert cache.seen[-1][0] == engine.tokens(engine.render(edited))
+
+
+def test_a_new_runner_tokenizes_only_what_a_saved_prompt_lacks(tmp_path: Path) -> None:
+    """The disk tier keeps each saved prompt's text: a runner started later (after a swap
+    or a restart) tokenizes only what a request adds to it, or nothing for the same one."""
+    key = CacheKey("m", 1024, "f16")
+
+    def runner() -> tuple[_CharEngine, _Lookups, Slots]:
+        engine = _CharEngine(tmp_path)
+        cache = _Lookups(key, block_tokens=64, ram_budget=0, disk_dir=tmp_path / "kv", disk_max=MiB)
+        cache.seen = []
+        return engine, cache, Slots(cast(EngineControl, engine), 1, cache, tmp_path, 64)
+
+    first = [{"role": "user", "content": "Tell me about the sea and its old ships. " * 3}]
+    engine, cache, slots = runner()
+    slot = slots.acquire("a")
+    slots.prepare(slot, "chat", {"messages": first})  # no entries yet: nothing tokenized
+    slots.release(slot)
+    assert slots.save_all() == 1  # the runner stops: its slot's state goes to disk
+    one = engine.render(first)
+    assert engine.tokenized == [(one, True)]  # the save indexes the state by whole tokens
+
+    second = [*first, {"role": "assistant", "content": "Wide."}, {"role": "user", "content": "?"}]
+    for messages, sent in ((first, []), (second, [(engine.render(second)[len(one) :], False)])):
+        engine, cache, slots = runner()  # a new runner: its slots know nothing yet
+        slot = slots.acquire("a")
+        slots.prepare(slot, "chat", {"messages": messages})
+        slots.release(slot)
+        assert engine.tokenized == sent
+        assert cache.seen[-1][0] == engine.tokens(engine.render(messages))

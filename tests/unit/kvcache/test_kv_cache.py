@@ -155,6 +155,25 @@ def test_flush_then_restart_finds_entries_on_disk(tmp_path: Path) -> None:
     assert other.lookup(toks) is None  # another context shape never sees these states
 
 
+def test_a_stored_prompt_text_survives_a_restart_and_the_longest_one_is_known(
+    tmp_path: Path,
+) -> None:
+    c = cache(tmp_path)
+    short, long = list(range(100)), list(range(1000, 1300))
+    c.store(short, state_of(short), "the sea")
+    c.store(long, state_of(long), "the sea and its ships")
+    other = list(range(2000, 2100))
+    c.store(other, state_of(other))  # no text recorded
+    c.close()
+    fresh = cache(tmp_path)
+    assert fresh.known_text("the sea and its ships, again") == (
+        "the sea and its ships",
+        tuple(long),
+    )
+    assert fresh.known_text("the sea, again") == ("the sea", tuple(short))
+    assert fresh.known_text("rivers") == ("", ())
+
+
 def test_corrupt_disk_entry_is_a_miss_and_removed(tmp_path: Path) -> None:
     c = cache(tmp_path)
     toks = list(range(300))
