@@ -106,6 +106,8 @@ class MeasuredStore:
             entry: dict[str, Any] = {"n_ctx": n_ctx, "slots": slots, "kv_type": kv_type}
             for name in _FIELDS:
                 entry[name] = max(int(getattr(mem, name)), int(old.get(name, 0)))
+            if entry == old:
+                return  # nothing new: no write (and no fsync) on a reload's way to its request
             entries[_key(n_ctx, slots, kv_type)] = entry
             self._save(data)
 

@@ -282,7 +282,10 @@ class Residency:
             lane.restarts += 1
             self.counters["restarts"] += 1
         if self._measured is not None and spec.id not in self.planned:
-            self._measured.record(spec, plan.n_ctx, plan.slots, plan.kv_type, info.measured)
+            # A file write and fsync: off the event loop, where every stream waits on it.
+            await asyncio.to_thread(
+                self._measured.record, spec, plan.n_ctx, plan.slots, plan.kv_type, info.measured
+            )
         self.events.add(
             "load",
             spec.id,

@@ -60,6 +60,18 @@ def test_recording_again_keeps_the_larger_value(tmp_path: Path, weights: Path) -
     assert got is not None and (got.anonymous, got.file_backed) == (200 * MiB, 130 * MiB)
 
 
+def test_recording_what_is_known_writes_nothing(tmp_path: Path, weights: Path) -> None:
+    path = tmp_path / "m.json"
+    store = MeasuredStore(path)
+    store.record(llm(weights), 4096, 1, "f16", MEM)
+    written = path.stat().st_ino, path.stat().st_mtime_ns  # a save replaces the file
+    store.record(llm(weights), 4096, 1, "f16", ProcessMemory(150 * MiB, 30 * MiB))
+    assert (path.stat().st_ino, path.stat().st_mtime_ns) == written
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".measured-")]
+    store.record(llm(weights), 4096, 1, "f16", ProcessMemory(250 * MiB, 30 * MiB))
+    assert path.stat().st_ino != written[0]  # a larger value is written
+
+
 def test_llm_measurement_is_rescaled_by_kv_arithmetic(tmp_path: Path, weights: Path) -> None:
     store = MeasuredStore(tmp_path / "m.json")
     store.record(llm(weights), 4096, 1, "f16", MEM)
