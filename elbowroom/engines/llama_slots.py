@@ -23,6 +23,7 @@ import os
 import struct
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,16 @@ def _text_prefix(a: str, b: str) -> int:
     return i
 
 
+@dataclass(frozen=True, slots=True)
+class _Tokenized:
+    """A prompt as the engine rendered it, and its tokens; ``exact``: from a whole
+    tokenization (not stitched from a saved prefix's tokens and the rest's)."""
+
+    text: str = ""
+    tokens: tuple[int, ...] = ()
+    exact: bool = False
+
+
 class Slots:
     def __init__(
         self,
@@ -79,10 +90,10 @@ class Slots:
         self.waiting = 0  # requests waiting for a slot that a save holds
         self._last_key = dict.fromkeys(range(slots), "")
         self._last_used = dict.fromkeys(range(slots), 0.0)
-        self._tokens: dict[int, tuple[int, ...]] = dict.fromkeys(range(slots), ())
-        # The rendered prompt each slot's _tokens were tokenized from: the next request of
-        # a conversation extends it, and only the new part needs the tokenizer.
-        self._texts: dict[int, str] = dict.fromkeys(range(slots), "")
+        # Each slot's last prompt, rendered and tokenized (when the disk tier was looked
+        # up for it): the next request of a conversation extends it, and only the new part
+        # needs the tokenizer; a save reuses it when it was tokenized whole.
+        self._known: dict[int, _Tokenized] = dict.fromkeys(range(slots), _Tokenized())
         # The last prompt each slot served (op, template body): what a saved state is
         # indexed by. The engine's file holds the tokens too, in a layout that is not API.
         self._prompts: dict[int, tuple[str, dict[str, Any]]] = {}
@@ -150,8 +161,7 @@ class Slots:
         served, so nothing of it is reused, moved to the prompt cache or saved to disk."""
         with self._lock:
             self._last_key[slot] = ""
-            self._tokens[slot] = ()
-            self._texts[slot] = ""
+            self._known[slot] = _Tokenized()
             self._prompts.pop(slot, None)
         try:
             self._control.request("POST", f"/slots/{slot}?action=erase", {})
@@ -167,20 +177,17 @@ class Slots:
         if cache is None:
             return 0
         self._prompts[slot] = (op, body)
+        before, self._known[slot] = self._known[slot], _Tokenized()  # until this one's known
         if cache.stats()["entries_disk"] == 0:
-            self._tokens[slot] = ()  # unknown until tokenized: nothing to compare yet
-            self._texts[slot] = ""
-            return 0
+            return 0  # unknown until tokenized: nothing to compare yet
         started = time.perf_counter()
         try:
-            rendered, tokens = self._lookup_tokens(slot, op, body)
+            known = self._lookup_tokens(before, op, body)
         except (OSError, RuntimeError, ValueError) as exc:
             log.warning("KV disk tier: could not tokenize the prompt: %s", exc)
             return 0
-        live = common_prefix(self._tokens[slot], tokens)
-        hit = cache.lookup(tokens, live)
-        self._tokens[slot] = tokens
-        self._texts[slot] = rendered
+        hit = cache.lookup(known.tokens, common_prefix(before.tokens, known.tokens))
+        self._known[slot] = known
         if hit is None:
             return 0
         tokenized = time.perf_counter()
@@ -203,32 +210,39 @@ class Slots:
         if self._cache is not None and timings.get("prompt_n", 0) > 0:
             self._cache.observe_prefill(int(timings["prompt_n"]), timings["prompt_ms"] / 1000)
 
-    def _lookup_tokens(
-        self, slot: int, op: str, body: dict[str, Any]
-    ) -> tuple[str, tuple[int, ...]]:
+    def _lookup_tokens(self, before: _Tokenized, op: str, body: dict[str, Any]) -> _Tokenized:
         """The prompt as the engine renders it and its tokens, for the disk-tier lookup.
-        A conversation's next request repeats what its slot last served, or a prompt saved
-        in the disk tier, and adds to it: then only the added text is tokenized (here a
-        7,600-token conversation takes 28 ms to tokenize whole, its next turn a millisecond
-        or two; a swapped-out model's prompt, back in a new runner, none). At the seam the
-        split can differ from a whole tokenization by a token; that only shortens the
-        prefix this lookup sees, never what is reused: the engine compares its own tokens."""
+        A conversation's next request repeats what its slot last served (``before``), or a
+        prompt saved in the disk tier, and adds to it: then only the added text is
+        tokenized (here a 7,600-token conversation takes 28 ms to tokenize whole, its next
+        turn a millisecond or two; a swapped-out model's prompt, back in a new runner,
+        none). At the seam the split can differ from a whole tokenization by a token; that
+        only shortens the prefix this lookup sees, never what is reused: the engine
+        compares its own tokens."""
         assert self._cache is not None
         rendered = self._render(op, body)
-        before, known = self._texts[slot], self._tokens[slot]
-        if not (before and known and rendered.startswith(before)):
-            before, known = "", ()
+        base = _Tokenized()
+        if before.text and before.tokens and rendered.startswith(before.text):
+            base = before
         saved, saved_tokens = self._cache.known_text(rendered)
-        if len(saved) > len(before):
-            before, known = saved, saved_tokens
-        if not before:
-            return rendered, self._tokenize(rendered, first=True)
-        rest = rendered[len(before) :]
-        return rendered, known + (self._tokenize(rest, first=False) if rest else ())
+        if len(saved) > len(base.text):
+            base = _Tokenized(saved, saved_tokens, exact=True)  # saved whole (``_save``)
+        if not base.text:
+            return _Tokenized(rendered, self._tokenize(rendered, first=True), exact=True)
+        rest = rendered[len(base.text) :]
+        if not rest:
+            return _Tokenized(rendered, base.tokens, base.exact)
+        return _Tokenized(rendered, base.tokens + self._tokenize(rest, first=False))
 
-    def _prompt_text_tokens(self, op: str, body: dict[str, Any]) -> tuple[str, tuple[int, ...]]:
-        """The rendered prompt and its tokens, tokenized whole: what a saved state is
-        indexed by."""
+    def _prompt_text_tokens(
+        self, slot: int, op: str, body: dict[str, Any]
+    ) -> tuple[str, tuple[int, ...]]:
+        """The slot's last prompt, rendered, and its tokens as a whole tokenization makes
+        them: what a saved state is indexed by. Those its lookup made are reused when they
+        were whole (a long conversation's 28 ms, again, on the way out of a runner)."""
+        known = self._known[slot]
+        if known.exact and known.text:
+            return known.text, known.tokens
         rendered = self._render(op, body)
         return rendered, self._tokenize(rendered, first=True)
 
@@ -304,7 +318,7 @@ class Slots:
             name = f"save-{slot}.bin"
             path = self._save_dir / name
             try:
-                text, tokens = self._prompt_text_tokens(op, body)
+                text, tokens = self._prompt_text_tokens(slot, op, body)
                 if not self._cache.wants(tokens):
                     continue  # too short, or a saved state already covers it
                 self._control.request("POST", f"/slots/{slot}?action=save", {"filename": name})

@@ -230,6 +230,7 @@ class _CharEngine:
 
     def __init__(self, slot_dir: Path | None = None) -> None:
         self.tokenized: list[tuple[str, bool]] = []
+        self.renders = 0
         self.slot_dir = slot_dir  # where slot saves go (the runner's private directory)
 
     @staticmethod
@@ -242,6 +243,7 @@ class _CharEngine:
 
     def request(self, method: str, path: str, body: Any = None) -> Any:
         if path == "/apply-template":
+            self.renders += 1
             return {"prompt": self.render(body["messages"])}
         if path.endswith("?action=save"):
             assert self.slot_dir is not None
@@ -331,3 +333,16 @@ def test_a_new_runner_tokenizes_only_what_a_saved_prompt_lacks(tmp_path: Path) -
         slots.release(slot)
         assert engine.tokenized == sent
         assert cache.seen[-1][0] == engine.tokens(engine.render(messages))
+    # Stopping, a runner indexes its slot's state by whole tokens: those its lookup had
+    # when they were whole (a saved prompt, repeated), else the prompt tokenized again.
+    two = engine.render(second)
+    for messages, stored, calls in ((first, 0, []), (second, 1, [(two, True)])):
+        engine, cache, slots = runner()
+        slot = slots.acquire("a")
+        slots.prepare(slot, "chat", {"messages": messages})
+        slots.release(slot)
+        engine.tokenized.clear()
+        renders = engine.renders
+        assert slots.save_all() == stored  # the first is on disk already
+        assert engine.tokenized == calls
+        assert engine.renders == renders + len(calls)
