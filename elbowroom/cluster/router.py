@@ -36,6 +36,7 @@ from elbowroom.scheduler.events import EventLog
 from elbowroom.scheduler.loop import Scheduler
 from elbowroom.scheduler.policy import Evict, eviction_order
 from elbowroom.scheduler.records import InFlightRequest
+from elbowroom.units import format_size
 
 log = logging.getLogger("elbowroom.cluster")
 
@@ -201,10 +202,13 @@ class ClusterScheduler:
             self._homes[model_id] = entry.node.id
             return entry
 
-    def _plan_split(self, model_id: str, refusal: InsufficientMemory) -> SplitPlan:
+    def _plan_split(
+        self, model_id: str, refusal: InsufficientMemory
+    ) -> tuple[SplitPlan, dict[str, int]]:
         """Layers in proportion to the room of each node not under hard pressure: the bytes
         free there now; if that does not fit, what evicting idle models would make free
-        (each node's share then evicts its own least recently used idle models)."""
+        (each node's share then evicts its own least recently used idle models). Returns
+        the plan and the rooms it was made with."""
         spec = self._catalog.get(model_id)
         rows = []
         for e in self.live():
@@ -218,9 +222,9 @@ class ClusterScheduler:
             if spec.gguf is None:
                 raise SplitError(f"{model_id} is not a llama.cpp model")
             try:
-                return plan_split(spec, self.settings, free)
+                return plan_split(spec, self.settings, free), free
             except SplitError:
-                return plan_split(spec, self.settings, evict)
+                return plan_split(spec, self.settings, evict), evict
         except SplitError as exc:
             raise InsufficientMemory(
                 f"{refusal.message} A split over the nodes does not fit either: {exc}",
@@ -238,7 +242,7 @@ class ClusterScheduler:
         spec = self._catalog.get(model_id)
         if self._tasks:  # a split still being taken down: plan with its memory back
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
-        plan = self._plan_split(model_id, refusal)
+        plan, rooms = self._plan_split(model_id, refusal)
         s = self.settings
         options = RpcLlamaOptions(
             threads=s.threads,
@@ -258,7 +262,11 @@ class ClusterScheduler:
             raise
         self._splits[model_id] = running
         layers = dict(plan.split.layers)
-        self.events.add("split", model_id, f"split {model_id} over {layers}", layers=layers)
+        room = ", ".join(f"{n} {format_size(b)}" for n, b in rooms.items())
+        self.events.add(
+            "split", model_id, f"split {model_id} over {layers} (room: {room})",
+            layers=layers, rooms=rooms,
+        )  # fmt: skip
         return running
 
     def _slot(self, e: NodeEntry) -> NodeSlot:
