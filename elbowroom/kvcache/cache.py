@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -264,7 +264,7 @@ class PrefixCache:
                     self._forget(old)
             eid = entry_id(toks, self._seed)
             self._add_meta(eid, toks, Tier.RAM, len(state), text)
-            self._spill(self._ram.put(RamEntry(eid, toks, state, text)))
+            self._spill(self._ram.put(RamEntry(eid, toks, state)))
             return eid in self._meta
 
     def known_text(self, prompt: str) -> tuple[str, tuple[int, ...]]:
@@ -315,14 +315,12 @@ class PrefixCache:
     def _spill(self, evicted: list[RamEntry]) -> None:
         for entry in evicted:
             if self._disk is not None:
-                result = self._disk.write(entry.eid, entry.tokens, entry.state, entry.text)
+                meta = self._meta[entry.eid]
+                result = self._disk.write(entry.eid, entry.tokens, entry.state, meta.text)
                 for gone in result.evicted:
                     self._drop_meta(gone)
                 if result.written:
-                    meta = self._meta[entry.eid]
-                    self._meta[entry.eid] = _Meta(
-                        entry.tokens, meta.hashes, Tier.DISK, entry.nbytes, meta.text
-                    )
+                    self._meta[entry.eid] = replace(meta, tier=Tier.DISK, nbytes=entry.nbytes)
                     self._n.spilled += 1
                     continue
             self._drop_meta(entry.eid)

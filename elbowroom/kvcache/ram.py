@@ -18,7 +18,6 @@ class RamEntry:
     eid: str
     tokens: tuple[int, ...]
     state: Blob  # never mutated: a bytearray only spares a copy out of llama.cpp
-    text: str = ""  # the rendered prompt the tokens came from ("": not known)
 
     @property
     def nbytes(self) -> int:
