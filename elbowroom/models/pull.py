@@ -138,9 +138,10 @@ def parse_name(text: str) -> PullName:
     repo, _, quant = name.partition(":")
     repo = repo.strip("/")
     if not _NAME_RE.match(repo) or ".." in repo:
+        library = " (elbowroom pulls from Hugging Face, not Ollama's library)" * ("/" not in repo)
         raise BadRequest(
-            f"{text!r} is not a Hugging Face model name: use hf.co/USER/REPO[:QUANT] or "
-            "USER/REPO[:QUANT], e.g. hf.co/bartowski/Qwen_Qwen3-4B-GGUF:Q4_K_M",
+            f"{text!r} is not a Hugging Face model name{library}: use hf.co/USER/REPO[:QUANT]"
+            " or USER/REPO[:QUANT], e.g. hf.co/bartowski/Qwen_Qwen3-4B-GGUF:Q4_K_M",
             param="model",
             code="invalid_model_name",
         )
@@ -1066,13 +1067,17 @@ __all__ = [
 ]
 
 
-def remove_by_name(settings: Settings, catalog: Any, name: str) -> list[Removed]:
-    """``name``: a catalog id, or the name a model was pulled by (hf.co/USER/REPO[:QUANT]:
-    every model pulled from that repository, or its quant). 404 when nothing matches."""
-    if name in catalog:
-        return [remove(settings, catalog.get(name))]
+def pulled_specs(settings: Settings, catalog: Any, name: str) -> list[ModelSpec]:
+    """The models ``name`` means: a catalog id (an Ollama ``:latest`` tag ignored), or the
+    name a model was pulled by (hf.co/USER/REPO[:QUANT]: every model pulled from that
+    repository, or that quant). 404 when nothing matches."""
+    from elbowroom.errors import ModelNotFound
+
+    for candidate in (name, name.removesuffix(":latest")):
+        with contextlib.suppress(ModelNotFound):
+            return [catalog.get(candidate)]
     try:
-        want = parse_name(name)
+        want: PullName | None = parse_name(name)
     except BadRequest:
         want = None
     if want is not None:
@@ -1084,13 +1089,17 @@ def remove_by_name(settings: Settings, catalog: Any, name: str) -> list[Removed]
             and (want.quant is None or (quant_of(s.path.name) or "") == want.quant.upper())
         ]
         if specs:
-            return [remove(settings, s) for s in specs]
+            return specs
     raise RepoNotFound(
         f"no model {name!r} to delete: `elbowroom ls` lists the models (ids), and pulled "
         "ones can also be named as they were pulled (hf.co/USER/REPO[:QUANT])",
         param="model",
         code="model_not_found",
     )
+
+
+def remove_by_name(settings: Settings, catalog: Any, name: str) -> list[Removed]:
+    return [remove(settings, s) for s in pulled_specs(settings, catalog, name)]
 
 
 def _under(path: Path, folder: Path) -> bool:

@@ -153,11 +153,9 @@ async def ps(request: Request) -> dict[str, Any]:
     return {"models": models, "memory": summary}
 
 
-@router.api_route("/pull", methods=["POST"], operation_id="ollama_pull")
 @router.api_route("/push", methods=["POST"], operation_id="ollama_push")
 @router.api_route("/create", methods=["POST"], operation_id="ollama_create")
 @router.api_route("/copy", methods=["POST"], operation_id="ollama_copy")
-@router.api_route("/delete", methods=["DELETE"], operation_id="ollama_delete")
 @router.api_route("/blobs/{digest}", methods=["HEAD"], operation_id="ollama_blobs_head")
 @router.api_route("/blobs/{digest}", methods=["POST"], operation_id="ollama_blobs_post")
 async def not_here(request: Request) -> Response:
