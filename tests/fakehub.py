@@ -348,3 +348,39 @@ def big_gguf_header(total: int = 70 * 10**9, n_layers: int = 80) -> tuple[bytes,
     data_start = -(-len(head) // 32) * 32
     head += bytes(data_start - len(head))
     return head, data_start + offset
+
+
+def split_gguf(n_shards: int = 2, n_layers: int = 2, n_embd: int = 64) -> list[bytes]:
+    """A small llama model split in ``n_shards`` valid GGUF files (zeroed F32 weights): the
+    first holds the metadata, each holds its layers' tensors (llama.cpp's gguf-split)."""
+    shards = []
+    per = -(-n_layers // n_shards)
+    for k in range(n_shards):
+        kvs = [
+            _s("split.no") + struct.pack("<IH", 2, k),
+            _s("split.count") + struct.pack("<IH", 2, n_shards),
+            _s("split.tensors.count") + struct.pack("<Ii", 5, n_layers),
+        ]
+        if k == 0:
+            kvs += [
+                _s("general.architecture") + struct.pack("<I", 8) + _s("llama"),
+                _s("general.name") + struct.pack("<I", 8) + _s("Tiny split"),
+            ]
+            for key, value in (
+                ("block_count", n_layers),
+                ("embedding_length", n_embd),
+                ("attention.head_count", 4),
+                ("context_length", 512),
+                ("vocab_size", 256),
+            ):
+                kvs.append(_s(f"llama.{key}") + struct.pack("<II", 4, value))
+        layers = range(k * per, min(n_layers, (k + 1) * per))
+        infos, offset = b"", 0
+        for i in layers:
+            infos += _s(f"blk.{i}.ffn_down.weight") + struct.pack("<IQQ", 2, n_embd, n_embd)
+            infos += struct.pack("<IQ", 0, offset)  # F32
+            offset += n_embd * n_embd * 4
+        head = b"GGUF" + struct.pack("<IQQ", 3, len(layers), len(kvs)) + b"".join(kvs) + infos
+        head += bytes(-(-len(head) // 32) * 32 - len(head))
+        shards.append(head + bytes(offset))
+    return shards

@@ -107,7 +107,7 @@ def check_fit(spec: ModelSpec, settings: Settings) -> FitVerdict:
             f"fits: predicted {fs(fp.total)}{ctx} {where}",
             None,
         )
-    if largest > 0 and refusal is None:
+    if largest > 0:  # the settings' context is too large for it; a smaller one fits
         return FitVerdict(
             FITS_AT_CTX,
             fp.total,
