@@ -438,8 +438,13 @@ class Puller:
             return fn()
         except ElbowroomError:
             raise
-        except (hub.HfHubHTTPError, OSError, hub.OfflineModeIsEnabled) as exc:
+        except (hub.HfHubHTTPError, ConnectionError, TimeoutError, hub.OfflineModeIsEnabled) as exc:
             raise self._hub_error(exc, repo_id, what) from exc
+        except OSError as exc:  # this machine's files, not the network
+            raise ElbowroomError(
+                f"pulling {repo_id}: {what}: {exc.strerror or exc} ({exc.filename or ''})",
+                code="pull_io_error",
+            ) from exc
         except Exception as exc:
             if _is_transport_error(exc):
                 raise self._hub_error(exc, repo_id, what) from exc
