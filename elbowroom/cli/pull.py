@@ -200,5 +200,10 @@ def cmd_rm(args: argparse.Namespace) -> int:
 def _fail(exc: ElbowroomError, as_json: bool) -> int:
     if as_json:
         _json_line({"error": exc.message, "code": exc.code, "status": exc.status, **exc.details})
-    print(f"elbowroom: {exc.message}", file=sys.stderr)
+    read = exc.details.get("header_bytes_read")
+    if read:  # a fit-check refusal: what it read to say so
+        read_text = f" (the fit check read {fs(int(read))} of GGUF headers; nothing downloaded)"
+        print(f"elbowroom: {exc.message}{read_text}", file=sys.stderr)
+    else:
+        print(f"elbowroom: {exc.message}", file=sys.stderr)
     return 1

@@ -495,7 +495,14 @@ class Puller:
             else []
         )
         if candidates:
-            plan = self._plan_gguf(repo_id, commit, files, candidates, dest, reader, want, force)
+            try:
+                plan = self._plan_gguf(
+                    repo_id, commit, files, candidates, dest, reader, want, force
+                )
+            except InsufficientMemory as err:  # what the refusal cost to find out
+                err.details["header_bytes_read"] = reader.bytes_read
+                err.details["header_requests"] = reader.requests
+                raise
         else:
             choice = _whisper(files) or _onnx_embedder(files)
             if choice is None:
@@ -663,7 +670,7 @@ class Puller:
         self.emit(status="verifying sha256 digest")
         self.emit(status="writing manifest")
         anchor = _install(plan, pointers)
-        model_id = _catalog_id(self.settings, anchor)
+        model_id = _catalog_id(self.settings, anchor, plan.dest)
         self.emit(status="success")
         return PullResult(plan, model_id, anchor, downloaded, resumed, time.monotonic() - started)
 
@@ -867,10 +874,11 @@ def _install(plan: PullPlan, pointers: dict[str, Path]) -> Path:
     return anchor
 
 
-def _catalog_id(settings: Settings, path: Path) -> str | None:
-    real = path.resolve()
+def _catalog_id(settings: Settings, path: Path, folder: Path) -> str | None:
+    """The id the catalog gives the model at ``path`` (a file), or ``folder`` (whisper)."""
+    real = {path.resolve(), folder.resolve()}
     for spec in discover(settings).list():
-        if spec.path.resolve() == real:
+        if spec.path.resolve() in real:
             return spec.id
     return None
 

@@ -135,6 +135,7 @@ def check_fit(spec: ModelSpec, settings: Settings) -> FitVerdict:
             "; not even the smallest context fits: pick a smaller quant or model, or give "
             "elbowroom more memory (memory_limit, load_fraction)"
         )
+    error.message = f"never fits here: {error.message}"
     error.args = (error.message,)
     error.details["fit_check"] = "never fits here"
     error.details["largest_ctx"] = largest

@@ -53,8 +53,24 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeHub]:
     folder = tmp_path_factory.mktemp("hubfiles")
     proj = disk_blob(write_projector(folder / "mmproj.gguf"))
     shards = split_gguf(2)
+    whisper = bundled_spec("whisper-tiny.en").path
+    embed = bundled_spec("minilm-l6-v2")
     hub = FakeHub(
         {
+            "test/faster-whisper-tiny.en": Repo(
+                {
+                    **{p.name: disk_blob(p) for p in sorted(whisper.iterdir()) if p.is_file()},
+                    "README.md": bytes_blob(b"whisper"),
+                }
+            ),
+            "test/minilm-onnx": Repo(
+                {
+                    "onnx/model.onnx": disk_blob(embed.path),
+                    "onnx/model_O4.onnx": disk_blob(embed.path),
+                    "tokenizer.json": disk_blob(Path(embed.options["tokenizer"])),
+                    "config.json": bytes_blob(b"{}"),
+                }
+            ),
             "test/SmolLM2-GGUF": Repo(
                 {
                     SMOL: smol,
@@ -307,3 +323,26 @@ def test_cli_pull_json_and_check(
     err = capsys.readouterr().err
     assert "fit check: fits" in err and "largest quant that fits" in err, err
     assert not settings.models_path.exists()
+
+
+def test_whisper_folder_and_onnx_embedder(hub: FakeHub, settings: Settings) -> None:
+    asr = Puller(settings).pull("test/faster-whisper-tiny.en")
+    assert asr.plan.choice.anchor == "model.bin" and asr.plan.choice.files[-1].path == "model.bin"
+    assert "README.md" not in [f.path for f in asr.plan.choice.files]
+    assert asr.plan.fit is not None and asr.plan.fit.verdict == FITS
+    spec = discover(settings).get(str(asr.model_id))
+    assert (
+        spec.kind == "asr" and spec.engine == "whisper" and asr.model_id == "faster-whisper-tiny.en"
+    )
+
+    emb = Puller(settings).pull("test/minilm-onnx")
+    assert [f.path for f in emb.plan.choice.files] == [
+        "tokenizer.json",
+        "config.json",
+        "onnx/model.onnx",  # only the one the engine loads, last
+    ]
+    spec = discover(settings).get(str(emb.model_id))
+    assert spec.kind == "embedding" and spec.engine == "onnx-embed"
+    removed = remove_by_name(settings, discover(settings), "test/minilm-onnx")
+    assert removed[0].freed == emb.plan.total
+    assert not (settings.models_path / "hf.co" / "test" / "minilm-onnx").exists()
