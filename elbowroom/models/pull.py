@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 
 HUB_FOLDER = "hf.co"  # under the models folder: hf.co/USER/REPO/<files>
 DISK_MARGIN = 256 * MiB  # free space a pull leaves on the disk, at least
+HUB_TIMEOUT = 30.0  # seconds without an answer from the Hub: unreachable (503)
 _SHARD_RE = re.compile(r"^(?P<base>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$", re.I)
 _QUANT_RE = re.compile(
     r"(?:^|[-_.])((?:I?Q\d+(?:_[A-Z0-9]+)*)|BF16|F16|F32|FP16|FP32|MXFP4(?:_MOE)?)(?=$|[-_.])",
@@ -459,7 +460,9 @@ class Puller:
         info = self._call(
             repo_id,
             f"the file list of {repo_id}",
-            lambda: api.model_info(repo_id, revision=revision, files_metadata=True),
+            lambda: api.model_info(
+                repo_id, revision=revision, files_metadata=True, timeout=HUB_TIMEOUT
+            ),
         )
         files = []
         for s in info.siblings or ():
@@ -961,19 +964,9 @@ def pulled_root(settings: Settings) -> Path:
 def remove(settings: Settings, spec: ModelSpec) -> Removed:
     """Delete a pulled model: its links in the models folder, then the cached files no
     other link uses. A model elbowroom did not pull is never deleted (a 400)."""
+    check_pulled(settings, spec)
     root = pulled_root(settings).resolve()
     link = spec.path if spec.engine == "llama" else _model_folder(spec)
-    try:
-        inside = link.parent.resolve().is_relative_to(root)
-    except OSError:
-        inside = False
-    if not inside:
-        raise BadRequest(
-            f"model {spec.id!r} was not pulled by elbowroom ({spec.path}): elbowroom deletes "
-            "only what it downloaded; remove that file yourself",
-            param="model",
-            code="not_pulled",
-        )
     if spec.engine == "llama":
         links = [link]
         shard = _SHARD_RE.match(link.name)
@@ -1004,6 +997,23 @@ def remove(settings: Settings, spec: ModelSpec) -> Removed:
     freed = _drop_unused(blobs, settings)
     _prune(links[0].parent if links else link, root)
     return Removed(spec.id, tuple(links), freed)
+
+
+def check_pulled(settings: Settings, spec: ModelSpec) -> None:
+    """A 400 unless ``spec`` is a model `elbowroom pull` installed (under models_dir/hf.co)."""
+    root = pulled_root(settings).resolve()
+    link = spec.path if spec.engine == "llama" else _model_folder(spec)
+    try:
+        inside = link.parent.resolve().is_relative_to(root)
+    except OSError:
+        inside = False
+    if not inside:
+        raise BadRequest(
+            f"model {spec.id!r} was not pulled by elbowroom ({spec.path}): elbowroom deletes "
+            "only what it downloaded; remove that file yourself",
+            param="model",
+            code="not_pulled",
+        )
 
 
 def _model_folder(spec: ModelSpec) -> Path:

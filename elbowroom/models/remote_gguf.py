@@ -48,7 +48,9 @@ class RangeReader:
         }
         out = bytearray()
         self.requests += 1
-        with self.session.stream("GET", url, headers=headers, follow_redirects=True) as r:
+        with self.session.stream(
+            "GET", url, headers=headers, follow_redirects=True, timeout=30.0
+        ) as r:
             _raise_for_status(r)
             skip = start if r.status_code == 200 else 0  # Range ignored: the whole file
             for chunk in r.iter_bytes():

@@ -182,11 +182,13 @@ async def delete(request: Request, body: DeleteBody) -> Response:
     _same_origin_only(request)
     services = get_services(request)
     name = _name(body)
-    from elbowroom.models.pull import pulled_specs, remove
+    from elbowroom.models.pull import check_pulled, pulled_specs, remove
 
     catalog = services.catalog
     async with _lock(request):
         specs = pulled_specs(services.settings, catalog, name)
+        for spec in specs:  # before anything is unloaded: a bundled model is a 400
+            check_pulled(services.settings, spec)
         for spec in specs:
             if services.scheduler.runner(spec.id) is not None:
                 await services.scheduler.unload(spec.id)

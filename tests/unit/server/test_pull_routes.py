@@ -38,3 +38,11 @@ def test_a_listed_origin_may_chat_but_not_pull(make_harness: Callable[..., Harne
     own = {"Origin": "http://localhost"}
     r = h.client.post("/api/pull", json={"model": "llama3"}, headers=own)
     assert r.status_code == 400, r.text
+
+
+def test_deleting_a_model_not_pulled_unloads_nothing(harness: Harness) -> None:
+    r = harness.client.post("/api/models/smollm2-135m/load", json={"pin": True})
+    assert r.status_code == 200
+    r = harness.client.request("DELETE", "/api/delete", json={"model": "smollm2-135m"})
+    assert r.status_code == 400 and "not pulled by elbowroom" in r.json()["error"], r.text
+    assert harness.scheduler.loaded == {"smollm2-135m": True}  # still loaded and pinned
