@@ -24,22 +24,42 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException
 
 from elbowroom.errors import BadRequest, ElbowroomError, Forbidden
 from elbowroom.server import ollama_shapes as shapes
 from elbowroom.server.deps import Services, get_services
-from elbowroom.server.ollama_routes import OllamaRoute
+from elbowroom.server.ollama_routes import OllamaRoute, ollama_error
 from elbowroom.server.origin import _same_origin
 
 log = logging.getLogger("elbowroom.server")
 
-router = APIRouter(prefix="/api", route_class=OllamaRoute)
+
+class _Route(OllamaRoute):
+    """Ollama's error shape also for a body FastAPI cannot decode at all (bytes that are not
+    UTF-8: its HTTPException, which the app would answer in OpenAI's shape)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except HTTPException as exc:
+                if exc.status_code != 400:
+                    raise
+                return ollama_error(BadRequest(f"{exc.detail}: send a JSON object"))
+
+        return route
+
+
+router = APIRouter(prefix="/api", route_class=_Route)
 
 
 class PullBody(BaseModel):

@@ -46,3 +46,11 @@ def test_deleting_a_model_not_pulled_unloads_nothing(harness: Harness) -> None:
     r = harness.client.request("DELETE", "/api/delete", json={"model": "smollm2-135m"})
     assert r.status_code == 400 and "not pulled by elbowroom" in r.json()["error"], r.text
     assert harness.scheduler.loaded == {"smollm2-135m": True}  # still loaded and pinned
+
+
+def test_undecodable_bodies_get_ollamas_shape(harness: Harness) -> None:
+    for method, path in (("POST", "/api/pull"), ("DELETE", "/api/delete")):
+        r = harness.client.request(
+            method, path, content=b"\xa5SkK\x02B", headers={"content-type": "application/json"}
+        )
+        assert r.status_code == 400 and isinstance(r.json()["error"], str), r.text
