@@ -100,8 +100,8 @@ def resolve(catalog: Any, name: str, kinds: tuple[ModelKind, ...], endpoint: str
         err = ModelNotFound(name)
         err.message = (
             f"model '{name}' not found: GET /api/tags lists the models this server has; "
-            "models come from files (elbowroom serve --model PATH or the models folder), "
-            "not from pulls"
+            "models come from files (elbowroom serve --model PATH or the models folder) "
+            "and from Hugging Face (POST /api/pull with hf.co/USER/REPO[:QUANT])"
         )
         raise err
     if spec.kind not in kinds:

@@ -219,6 +219,25 @@ def test_ollama_client_pull_chat_delete(
     assert gone.value.status_code == 404
     # the server's log says nothing went wrong on the way
     assert "Traceback" not in server.log(), server.log()[-3000:]
+
+    # a client that drops the stream halfway: the download stops, nothing is installed, the
+    # partial file stays, and the next pull resumes it
+    hub.rate = 16 * MiB
+    try:
+        with httpx.stream(
+            "POST",
+            server.url + "/api/pull",
+            json={"model": NAME},
+            headers={"Authorization": "Bearer adm"},
+            timeout=120,
+        ) as r:
+            for line in r.iter_lines():
+                if json.loads(line).get("completed", 0) >= 16 * MiB:
+                    break  # closes the connection without reading the rest
+    finally:
+        hub.rate = None
+    assert not _link(tmp_path).exists()
+    hub.log.clear()
     raw = httpx.post(
         server.url + "/api/pull",
         json={"model": NAME, "stream": False},
@@ -226,3 +245,8 @@ def test_ollama_client_pull_chat_delete(
         timeout=120,
     )
     assert raw.status_code == 200 and json.loads(raw.text)["status"] == "success"
+    ranges = [r for m, p, r in hub.log if m == "GET" and p.startswith("/cdn/") and r]
+    starts = [int(r[6:-1]) for r in ranges if re.fullmatch(r"bytes=\d+-", r)]
+    assert starts and starts[0] >= 16 * MiB, ranges
+    assert PULLED in [m.model for m in user.list().models]
+    assert "Traceback" not in server.log(), server.log()[-3000:]

@@ -346,3 +346,20 @@ def test_whisper_folder_and_onnx_embedder(hub: FakeHub, settings: Settings) -> N
     removed = remove_by_name(settings, discover(settings), "test/minilm-onnx")
     assert removed[0].freed == emb.plan.total
     assert not (settings.models_path / "hf.co" / "test" / "minilm-onnx").exists()
+
+
+def test_cli_rm(hub: FakeHub, settings: Settings, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from elbowroom.cli import main
+
+    pulled = Puller(settings).pull("test/SmolLM2-GGUF:Q4_1")
+    models = str(settings.models_path)
+    assert main(["rm", "smollm2-135m", "--models-dir", models]) == 1  # bundled: not ours
+    assert "not pulled by elbowroom" in capsys.readouterr().err
+    assert main(["rm", str(pulled.model_id), "--json", "--models-dir", models]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["deleted"][0]["model"] == pulled.model_id
+    assert out["deleted"][0]["freed"] == pulled.plan.total
+    assert main(["rm", str(pulled.model_id), "--models-dir", models]) == 1
+    assert "no model" in capsys.readouterr().err
