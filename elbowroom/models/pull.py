@@ -53,7 +53,14 @@ from elbowroom.errors import (
     Unprocessable,
 )
 from elbowroom.models.catalog import discover, slug
-from elbowroom.models.pullfit import NEVER, FitVerdict, check_fit, machine_limit
+from elbowroom.models.pullfit import (
+    FITS,
+    FITS_AT_CTX,
+    NEVER,
+    FitVerdict,
+    check_fit,
+    machine_limit,
+)
 from elbowroom.models.spec import Holding, ModelKind, ModelSpec
 from elbowroom.units import MiB
 from elbowroom.units import format_size as fs
@@ -554,8 +561,10 @@ class Puller:
                 lambda: _projector_info(reader, url, projector, dest),
             )
         named = want.quant is not None or len(candidates) == 1
-        tried: list[str] = []
-        first_refusal: FitVerdict | None = None
+        tried: list[str] = []  # why the larger quants were passed over
+        chosen: tuple[str | None, list[RemoteFile], FitVerdict, str] | None = None
+        smaller_ctx: tuple[str | None, list[RemoteFile], FitVerdict] | None = None
+        refusal: FitVerdict | None = None  # the last (smallest) quant's that never fits
         ceiling = machine_limit(self.settings)[0].ceiling
         for i, (quant, shards) in enumerate(candidates):
             label = quant or Path(shards[0].path).name
@@ -572,54 +581,50 @@ class Puller:
                 ),
             )
             fit = check_fit(spec, self.settings)
-            if fit.ok or named:
-                if named:
-                    why = (
-                        f"{label} ({fs(size)}), as asked"
-                        if want.quant is not None
-                        else f"{label} ({fs(size)}), the repository's only model file"
-                    )
-                else:
-                    why = f"{label} ({fs(size)}), the largest quant that fits"
-                    if tried:
-                        why += f" (larger ones do not: {'; '.join(tried)})"
-                if not fit.ok and not force:
-                    assert fit.error is not None
-                    raise fit.error
-                files_ = [*(shards[1:]), shards[0]]
-                if projector is not None:
-                    files_.insert(0, projector)
-                    why += f"; with the vision projector {projector.path}"
-                choice = Choice(
-                    ModelKind.LLM,
-                    tuple(files_),
-                    shards[0].path,
-                    quant,
-                    tuple(shards),
-                    projector,
-                )
-                return PullPlan(repo_id, "main", commit, choice, dest, why, fit)
+            if named:
+                how = "as asked" if want.quant is not None else "the repository's only model"
+                chosen = (quant, shards, fit, f"{label} ({fs(size)}), {how}")
+                break
+            if fit.verdict == FITS:
+                chosen = (quant, shards, fit, f"{label} ({fs(size)}), the largest quant that fits")
+                break
+            if fit.verdict == FITS_AT_CTX:  # a smaller quant may fit as the settings are
+                smaller_ctx = smaller_ctx or (quant, shards, fit)
+                tried.append(f"{label} fits only at --ctx {fit.largest_ctx}")
+                continue
             tried.append(f"{label} needs {fs(fit.footprint)}")
-            first_refusal = fit  # the last one tried: the smallest
-        # nothing fits: the smallest's refusal (the one closest to fitting)
-        assert first_refusal is not None and first_refusal.error is not None
-        if not force:
-            err = first_refusal.error
-            err.message = (
-                f"no quant of {repo_id} fits this machine ({'; '.join(tried)}): "
-                + last_message(err.message)
-            )
-            err.args = (err.message,)
-            raise err
-        quant, shards = candidates[-1]
-        files_ = [*(shards[1:]), shards[0]]
+            refusal = fit
+        if chosen is None and smaller_ctx is not None:
+            quant, shards, fit = smaller_ctx
+            label = quant or Path(shards[0].path).name
+            chosen = (quant, shards, fit, f"{label}, the largest quant that fits at all")
+        if chosen is None:
+            assert refusal is not None and refusal.error is not None
+            if not force:
+                err = refusal.error
+                err.message = (
+                    f"no quant of {repo_id} fits this machine ({'; '.join(tried)}): "
+                    + last_message(err.message)
+                )
+                err.args = (err.message,)
+                raise err
+            quant, shards = candidates[-1]
+            label = quant or Path(shards[0].path).name
+            chosen = (quant, shards, refusal, f"{label}, the smallest, forced (none fits)")
+        quant, shards, fit, why = chosen
+        if tried:
+            why += f" (larger ones do not: {'; '.join(tried)})"
+        if not fit.ok and not force:
+            assert fit.error is not None
+            raise fit.error
+        files_ = [*(shards[1:]), shards[0]]  # the first shard, which lists the model, last
         if projector is not None:
             files_.insert(0, projector)
+            why += f"; with the vision projector {projector.path}"
         choice = Choice(
             ModelKind.LLM, tuple(files_), shards[0].path, quant, tuple(shards), projector
         )
-        why = f"{quant}: the smallest quant, forced (none fits)"
-        return PullPlan(repo_id, "main", commit, choice, dest, why, first_refusal)
+        return PullPlan(repo_id, "main", commit, choice, dest, why, fit)
 
     def _check_disk(self, plan: PullPlan) -> None:
         storage = _storage(plan.repo_id)

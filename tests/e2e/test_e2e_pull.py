@@ -117,7 +117,7 @@ def test_cli_pull_json_then_chat(
 
 
 def test_killed_pull_resumes(hub: FakeHub, tmp_path: Path) -> None:
-    hub.rate = 16 * MiB  # bytes per second: the download takes ~6 s, long enough to kill
+    hub.rate = 8 * MiB  # bytes per second: the download would take ~12 s; killed at 3
     proc = subprocess.Popen(
         _pull_cmd(NAME),
         cwd=REPO,
@@ -222,7 +222,7 @@ def test_ollama_client_pull_chat_delete(
 
     # a client that drops the stream halfway: the download stops, nothing is installed, the
     # partial file stays, and the next pull resumes it
-    hub.rate = 16 * MiB
+    hub.rate = 8 * MiB
     try:
         with httpx.stream(
             "POST",

@@ -91,6 +91,13 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeHub]:
             "test/vision-GGUF": Repo(
                 {SMOL: smol, "mmproj-SmolLM2-F16.gguf": proj, "mmproj-SmolLM2-Q8_0.gguf": proj}
             ),
+            "test/mixed-GGUF": Repo(
+                {
+                    "Mixed.Q4_1.gguf": smol,
+                    "Mixed.Q2_K-00001-of-00002.gguf": bytes_blob(shards[0], lfs=True),
+                    "Mixed.Q2_K-00002-of-00002.gguf": bytes_blob(shards[1], lfs=True),
+                }
+            ),
             "test/split-GGUF": Repo(
                 {
                     "Tiny-Q8_0-00001-of-00002.gguf": bytes_blob(shards[0], lfs=True),
@@ -174,6 +181,12 @@ def test_fits_only_at_a_smaller_context(hub: FakeHub, settings: Settings) -> Non
     assert plan.fit is not None and plan.fit.verdict == FITS_AT_CTX, plan.fit
     assert 0 < plan.fit.largest_ctx < 8192
     assert f"--ctx {plan.fit.largest_ctx}" in plan.fit.message
+    # choosing: a smaller quant that fits as the settings are beats a larger one that
+    # fits only at a smaller context
+    mixed = Puller(tight).plan("test/mixed-GGUF")
+    assert mixed.choice.quant == "Q2_K" and mixed.fit is not None, mixed.why
+    assert mixed.fit.verdict == FITS
+    assert f"Q4_1 fits only at --ctx {plan.fit.largest_ctx}" in mixed.why, mixed.why
 
 
 def test_disk_space_is_checked_with_numbers(hub: FakeHub, settings: Settings) -> None:
