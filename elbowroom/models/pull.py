@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import functools
 import hashlib
 import logging
@@ -408,7 +409,7 @@ class Puller:
             )
         if isinstance(exc, hub.RevisionNotFoundError):
             return RepoNotFound(
-                f"{repo_id} has no revision {what!r} on {self.endpoint}",
+                f"{what} is not on {self.endpoint}: no such branch, tag or commit",
                 param="revision",
                 code="revision_not_found",
             )
@@ -466,7 +467,7 @@ class Puller:
         api = HfApi(endpoint=self.endpoint, token=self.token or False)
         info = self._call(
             repo_id,
-            f"the file list of {repo_id}",
+            f"revision {revision or 'main'!r} of {repo_id}",
             lambda: api.model_info(
                 repo_id, revision=revision, files_metadata=True, timeout=HUB_TIMEOUT
             ),
@@ -692,23 +693,46 @@ class Puller:
         status: str,
     ) -> tuple[int, int, Path]:
         from huggingface_hub import get_hf_file_metadata
-        from huggingface_hub.file_download import http_get
-        from huggingface_hub.utils._headers import build_hf_headers
 
-        headers = build_hf_headers(token=self.token or False)
         meta = get_hf_file_metadata(url, token=self.token or False, headers=None)
         etag = meta.etag or f.sha256 or uuid.uuid4().hex
-        size = meta.size if meta.size is not None else f.size
         blobs = storage / "blobs"
         blobs.mkdir(parents=True, exist_ok=True)
         blob = blobs / etag
         partial = blobs / f"{etag}.incomplete"
-        kept = partial.stat().st_size if partial.exists() else 0
+        # Another pull of the same file (the CLI beside a server's /api/pull, or
+        # huggingface_hub itself: the same lock file) waits here rather than append to the
+        # same partial file.
+        locks = storage.parent / ".locks" / storage.name
+        locks.mkdir(parents=True, exist_ok=True)
+        with (locks / f"{etag}.lock").open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return self._fetch_locked(plan, storage, f, url, meta, blob, partial, digest, status)
+
+    def _fetch_locked(
+        self,
+        plan: PullPlan,
+        storage: Path,
+        f: RemoteFile,
+        url: str,
+        meta: Any,
+        blob: Path,
+        partial: Path,
+        digest: str,
+        status: str,
+    ) -> tuple[int, int, Path]:
+        from huggingface_hub.file_download import http_get
+        from huggingface_hub.utils._headers import build_hf_headers
+
+        headers = build_hf_headers(token=self.token or False)
+        size = meta.size if meta.size is not None else f.size
+        kept = partial.stat().st_size if partial.exists() and not blob.exists() else 0
         if kept > size:
             partial.unlink()
             kept = 0
-        self.emit(status=status, digest=digest, total=size, completed=kept)
-        if not blob.exists():
+        already = blob.exists()  # another revision's, or a pull that ran meanwhile
+        self.emit(status=status, digest=digest, total=size, completed=size if already else kept)
+        if not already:
             sink = _ProgressFile(partial, self, status, digest, size, kept)
             try:
                 http_get(
@@ -763,7 +787,7 @@ class Puller:
         refs.mkdir(exist_ok=True)
         if plan.revision != plan.commit:
             (refs / plan.revision.replace("/", "%2F")).write_text(plan.commit)
-        return size - kept, kept, pointer
+        return (0, 0, pointer) if already else (size - kept, kept, pointer)
 
     def pull(
         self,
