@@ -376,3 +376,24 @@ def test_cli_rm(hub: FakeHub, settings: Settings, capsys: pytest.CaptureFixture[
     assert out["deleted"][0]["freed"] == pulled.plan.total
     assert main(["rm", str(pulled.model_id), "--models-dir", models]) == 1
     assert "no model" in capsys.readouterr().err
+
+
+def test_header_reads_grow_by_doubling(hub: FakeHub, gemma_settings: Settings | None) -> None:
+    """The numbers docs/pull.md gives: SmolLM2's header in 2 MiB (2 requests), gemma3's
+    262,144-token vocabulary in 8 MiB (4 requests); each read only asks for what is new."""
+    from huggingface_hub import get_session
+
+    from elbowroom.models.remote_gguf import RangeReader
+
+    blobs = [("smollm2", hub.repos["test/SmolLM2-GGUF"].files[SMOL], 2 * MiB, 2)]
+    if gemma_settings is not None:
+        gemma = disk_blob(bundled_spec("gemma3-270m", gemma_settings).path)
+        hub.repos["test/gemma"] = Repo({"gemma.gguf": gemma})
+        blobs.append(("gemma3", gemma, 8 * MiB, 4))
+    for name, blob, read, requests in blobs:
+        hub.log.clear()
+        reader = RangeReader(get_session())
+        header = reader.header(f"{hub.url}/cdn/{blob.sha256}", blob.size, name)
+        assert header.tensors and (reader.bytes_read, reader.requests) == (read, requests)
+        ranges = [r for _m, _p, r in hub.log]
+        assert ranges[0] == "bytes=0-1048575" and ranges[1] == "bytes=1048576-2097151"
