@@ -32,6 +32,8 @@ PULLED = "smollm2-135m-instruct.q4_1"
 NAME = "hf.co/test/SmolLM2-GGUF:Q4_1"
 HI = [{"role": "user", "content": "Say hello."}]
 GREEDY = {"temperature": 0, "num_predict": 4, "seed": 1}
+# a machine of 16 GiB, wherever the tests run: SmolLM2 fits, 70 GB never does
+MACHINE = {"ELBOWROOM_OVERRIDE_MEMORY": "16GiB"}
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +61,7 @@ def _env(home: Path, hub: FakeHub) -> dict[str, str]:
         XDG_CONFIG_HOME=str(home / "config"),
         HF_ENDPOINT=hub.url,
         PYTHONUNBUFFERED="1",
+        **MACHINE,
     )
     return env
 
@@ -108,7 +111,7 @@ def test_cli_pull_json_then_chat(
     assert _link(tmp_path).is_symlink()
 
     server = server_factory(
-        "--ctx", "1024", "--slots", "1", home=tmp_path, env={"HF_ENDPOINT": hub.url}
+        "--ctx", "1024", "--slots", "1", home=tmp_path, env={"HF_ENDPOINT": hub.url, **MACHINE}
     )
     client = ollama.Client(host=server.url, timeout=180)
     assert PULLED in [m.model for m in client.list().models]
@@ -178,7 +181,7 @@ def test_ollama_client_pull_chat_delete(
         "adm",
         home=tmp_path,
         api_key="infer",
-        env={"HF_ENDPOINT": hub.url},
+        env={"HF_ENDPOINT": hub.url, **MACHINE},
     )
     admin = ollama.Client(host=server.url, timeout=180, headers={"Authorization": "Bearer adm"})
     user = ollama.Client(host=server.url, timeout=180, headers={"Authorization": "Bearer infer"})

@@ -43,6 +43,7 @@ from elbowroom.models.pullfit import FITS, FITS_AT_CTX
 from elbowroom.units import MiB
 
 SMOL = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MACHINE = "16GiB"
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +121,8 @@ def settings(hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> I
     hub.corrupt.clear()
     hub.log.clear()
     hub.sent.clear()
-    yield load_settings({"models_dir": tmp_path / "models"}, environ={})
+    # a machine of 16 GiB, wherever the tests run: SmolLM2 fits, 70 GB never does
+    yield load_settings({"models_dir": tmp_path / "models", "override_memory": MACHINE}, environ={})
 
 
 def _sent(hub: FakeHub, repo: str, name: str) -> int:
@@ -328,11 +330,37 @@ def test_cli_pull_json_and_check(
     from elbowroom.cli import main
 
     models = str(settings.models_path)
-    assert main(["pull", "test/Big-70B-GGUF", "--json", "--models-dir", models]) == 1
+    assert (
+        main(
+            [
+                "pull",
+                "test/Big-70B-GGUF",
+                "--json",
+                "--models-dir",
+                models,
+                "--override-memory",
+                MACHINE,
+            ]
+        )
+        == 1
+    )
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert lines[0] == {"status": "pulling manifest"}
     assert lines[-1]["status"] == 507 and lines[-1]["code"] == "insufficient_memory"
-    assert main(["pull", "test/SmolLM2-GGUF", "--check", "--models-dir", models]) == 0
+    assert (
+        main(
+            [
+                "pull",
+                "test/SmolLM2-GGUF",
+                "--check",
+                "--models-dir",
+                models,
+                "--override-memory",
+                MACHINE,
+            ]
+        )
+        == 0
+    )
     err = capsys.readouterr().err
     assert "fit check: fits" in err and "largest quant that fits" in err, err
     assert not settings.models_path.exists()
@@ -368,13 +396,31 @@ def test_cli_rm(hub: FakeHub, settings: Settings, capsys: pytest.CaptureFixture[
 
     pulled = Puller(settings).pull("test/SmolLM2-GGUF:Q4_1")
     models = str(settings.models_path)
-    assert main(["rm", "smollm2-135m", "--models-dir", models]) == 1  # bundled: not ours
+    assert (
+        main(["rm", "smollm2-135m", "--models-dir", models, "--override-memory", MACHINE]) == 1
+    )  # bundled: not ours
     assert "not pulled by elbowroom" in capsys.readouterr().err
-    assert main(["rm", str(pulled.model_id), "--json", "--models-dir", models]) == 0
+    assert (
+        main(
+            [
+                "rm",
+                str(pulled.model_id),
+                "--json",
+                "--models-dir",
+                models,
+                "--override-memory",
+                MACHINE,
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["deleted"][0]["model"] == pulled.model_id
     assert out["deleted"][0]["freed"] == pulled.plan.total
-    assert main(["rm", str(pulled.model_id), "--models-dir", models]) == 1
+    assert (
+        main(["rm", str(pulled.model_id), "--models-dir", models, "--override-memory", MACHINE])
+        == 1
+    )
     assert "no model" in capsys.readouterr().err
 
 
