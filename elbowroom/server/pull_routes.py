@@ -22,8 +22,10 @@ lists (a page may use models, not fetch or delete them).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
@@ -106,6 +108,32 @@ def _refresh_catalog(services: Services) -> None:
         catalog.refresh_from(discover(services.settings))
 
 
+async def _in_thread(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    """``fn`` in a daemon thread: a download must not hold the server's exit up (the
+    default executor's threads are joined at exit); one cut short resumes next time."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if future.done():
+            return
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+
+    def run() -> None:
+        try:
+            ok, value = True, fn(*args, **kw)
+        except BaseException as exc:
+            ok, value = False, exc
+        with contextlib.suppress(RuntimeError):  # the loop closed: the server is gone
+            loop.call_soon_threadsafe(settle, ok, value)
+
+    threading.Thread(target=run, name="elbowroom-pull", daemon=True).start()
+    return await future
+
+
 def _lock(request: Request) -> asyncio.Lock:
     """One pull or delete at a time per server: the catalog changes under them."""
     lock: asyncio.Lock | None = getattr(request.app.state, "pull_lock", None)
@@ -133,7 +161,7 @@ async def pull(request: Request, body: PullBody) -> Response:
     await lock.acquire()
     try:
         # Before any response: a refusal is an HTTP error with its status.
-        plan = await asyncio.to_thread(
+        plan = await _in_thread(
             puller.plan, name, file=body.file, revision=body.revision, force=body.force
         )
     except BaseException:
@@ -161,7 +189,7 @@ async def pull(request: Request, body: PullBody) -> Response:
 
 
 async def _download(services: Services, puller: Any, plan: Any) -> Any:
-    result = await asyncio.to_thread(puller.download, plan)
+    result = await _in_thread(puller.download, plan)
     _refresh_catalog(services)
     return result
 

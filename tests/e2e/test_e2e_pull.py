@@ -253,3 +253,26 @@ def test_ollama_client_pull_chat_delete(
     assert starts and starts[0] >= 16 * MiB, ranges
     assert PULLED in [m.model for m in user.list().models]
     assert "Traceback" not in server.log(), server.log()[-3000:]
+
+
+def test_server_stops_cleanly_during_a_pull(
+    hub: FakeHub, tmp_path: Path, server_factory: ServerFactory
+) -> None:
+    """SIGTERM while /api/pull downloads: the server exits by itself (the stream's end stops
+    the download; the test harness would SIGKILL it after 30 s), installs nothing, and keeps
+    the partial file for the next pull."""
+    server = server_factory(
+        "--ctx", "256", "--slots", "1", home=tmp_path, env={"HF_ENDPOINT": hub.url, **MACHINE}
+    )
+    hub.rate = 1 * MiB  # ~95 s for the whole file
+    try:
+        with httpx.stream("POST", server.url + "/api/pull", json={"model": NAME}, timeout=120) as r:
+            for line in r.iter_lines():
+                if json.loads(line).get("completed", 0) > 0:
+                    break
+            code = server.stop()
+    finally:
+        hub.rate = None
+    assert code == 0, server.log()[-3000:]
+    assert not _link(tmp_path).exists()
+    assert [p.name.endswith(".incomplete") for p in _blobs(tmp_path).iterdir()] == [True]
