@@ -160,8 +160,9 @@ async def ps(request: Request) -> dict[str, Any]:
 @router.api_route("/blobs/{digest}", methods=["POST"], operation_id="ollama_blobs_post")
 async def not_here(request: Request) -> Response:
     raise _NotImplementedHere(
-        f"{request.method} {request.url.path} is not supported: elbowroom does not download, "
-        "create or delete models. It serves model files it finds: put a GGUF file (or a "
+        f"{request.method} {request.url.path} is not supported: elbowroom does not push, "
+        "create or copy models. It downloads them from Hugging Face (POST /api/pull with "
+        "hf.co/USER/REPO[:QUANT]) and serves model files it finds: put a GGUF file (or a "
         "whisper/piper/ONNX folder) in the models folder (~/.local/share/elbowroom/models, "
         "ELBOWROOM_MODELS_DIR) or name it with `elbowroom serve --model PATH`; GET /api/tags "
         "lists what it serves."
