@@ -537,6 +537,13 @@ class Puller:
         plan.header_requests = reader.requests
         plan.forced = force and plan.fit is not None and not plan.fit.ok
         self._check_disk(plan)
+        if plan.fit is not None:
+            self.emit(
+                status=f"fit check: {plan.fit.message}",
+                fit=plan.fit.verdict,
+                header_bytes_read=plan.header_bytes,
+                quant=plan.choice.quant,
+            )
         return plan
 
     def _plan_gguf(

@@ -205,6 +205,7 @@ def test_ollama_client_pull_chat_delete(
     events = list(admin.pull(NAME, stream=True))
     statuses = [e.status for e in events]
     assert statuses[0] == "pulling manifest" and statuses[-1] == "success", statuses
+    assert (statuses[1] or "").startswith("fit check: fits: predicted"), statuses
     downloading = [e for e in events if (e.status or "").startswith("downloading")]
     assert downloading[-1].completed == downloading[-1].total and downloading[-1].digest
     assert "verifying sha256 digest" in statuses

@@ -156,7 +156,9 @@ def test_largest_quant_that_fits_is_picked_from_the_header_alone(
     assert plan.fit is not None and plan.fit.verdict == FITS, plan.fit
     assert 0 < plan.header_bytes < 16 * MiB
     assert plan.header_bytes == _sent(hub, "test/SmolLM2-GGUF", SMOL)  # the count is true
-    assert events == [{"status": "pulling manifest"}]
+    assert events[0] == {"status": "pulling manifest"} and len(events) == 2
+    assert events[1]["status"] == f"fit check: {plan.fit.message}"
+    assert events[1]["header_bytes_read"] == plan.header_bytes and events[1]["fit"] == FITS
     assert not (settings.models_path).exists()  # a plan downloads nothing
 
 
