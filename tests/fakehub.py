@@ -23,9 +23,11 @@ asked and sent (``log``, ``sent``). A threaded server on an ephemeral port.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
+import socket
 import struct
 import threading
 import time
@@ -91,6 +93,7 @@ class FakeHub:
     token: str = "hf_test_token"  # the token gated repos accept
     rate: float | None = None  # bytes per second for /cdn bodies (None: as fast as it goes)
     corrupt: set[str] = field(default_factory=set)  # sha256s whose byte 1000 is flipped
+    down: bool = False  # the network is down: connections are cut, mid-body ones too
     log: list[tuple[str, str, str | None]] = field(default_factory=list)  # method, path, Range
     sent: dict[str, int] = field(default_factory=dict)  # body bytes sent, per sha256
     _server: ThreadingHTTPServer | None = None
@@ -147,7 +150,15 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- routing
 
+    def _cut(self) -> None:
+        """What a network that went down looks like: the connection just ends."""
+        self.close_connection = True
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RDWR)
+
     def _route(self, head: bool) -> None:
+        if self.hub.down:
+            return self._cut()
         path = self.path.split("?", 1)[0]
         self.hub.log.append((self.command, path, self.headers.get("Range")))
         m = re.match(r"^/api/models/([^/]+/[^/]+?)(?:/revision/([^/]+))?/?$", path)
@@ -291,6 +302,8 @@ class _Handler(BaseHTTPRequestHandler):
         started = time.monotonic()
         try:
             while offset <= end:
+                if self.hub.down:
+                    return self._cut()
                 n = min(chunk, end - offset + 1)
                 data = blob.read(offset, n)
                 if blob.sha256 in self.hub.corrupt and offset <= 1000 < offset + n:

@@ -445,3 +445,25 @@ def test_header_reads_grow_by_doubling(hub: FakeHub, gemma_settings: Settings | 
         assert header.tensors and (reader.bytes_read, reader.requests) == (read, requests)
         ranges = [r for _m, _p, r in hub.log]
         assert ranges[0] == "bytes=0-1048575" and ranges[1] == "bytes=1048576-2097151"
+
+
+def test_network_down_midway_keeps_the_part_for_later(hub: FakeHub, settings: Settings) -> None:
+    """The connection is cut at 40 MiB and stays down: huggingface_hub's http_get retries (a
+    few seconds), then the pull is a 503; nothing is installed, the partial file is kept,
+    and the next pull, with the network back, resumes it."""
+    puller = Puller(settings)
+
+    def cut_at_40_mib(event: dict[str, object]) -> None:
+        if int(str(event.get("completed", 0))) >= 40 * MiB:
+            hub.down = True
+
+    puller.progress = cut_at_40_mib
+    try:
+        with pytest.raises(HubUnreachable) as info:
+            puller.pull("test/SmolLM2-GGUF:Q4_1")
+    finally:
+        hub.down = False
+    assert info.value.status == 503 and SMOL in info.value.message
+    assert "smollm2-135m-instruct.q4_1" not in discover(settings)
+    result = Puller(settings).pull("test/SmolLM2-GGUF:Q4_1")
+    assert result.resumed >= 40 * MiB and result.model_id == "smollm2-135m-instruct.q4_1"
