@@ -6,6 +6,7 @@ this machine's real memory (SmolLM2 fits anywhere elbowroom runs; 70 GB fits now
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -177,8 +178,16 @@ def test_70gb_model_is_refused_after_reading_its_header_only(
 
 
 def test_fits_only_at_a_smaller_context(hub: FakeHub, settings: Settings) -> None:
+    # 16 slots of 8,192 tokens need ~3 GiB of KV; a 2 GiB machine holds a smaller context
+    # (the override is charged with this process's own memory, which moves from test to
+    # test: the numbers keep well clear of it)
     tight = load_settings(
-        {"models_dir": settings.models_path, "override_memory": "1GiB", "ctx": 8192},
+        {
+            "models_dir": settings.models_path,
+            "override_memory": "2GiB",
+            "ctx": 8192,
+            "slots": 16,
+        },
         environ={},
     )
     plan = Puller(tight).plan("test/SmolLM2-GGUF:Q4_1")
@@ -190,7 +199,9 @@ def test_fits_only_at_a_smaller_context(hub: FakeHub, settings: Settings) -> Non
     mixed = Puller(tight).plan("test/mixed-GGUF")
     assert mixed.choice.quant == "Q2_K" and mixed.fit is not None, mixed.why
     assert mixed.fit.verdict == FITS
-    assert f"Q4_1 fits only at --ctx {plan.fit.largest_ctx}" in mixed.why, mixed.why
+    # (its --ctx is this sample's: available memory moves between two samples on a shared
+    # machine, and the limit follows it)
+    assert re.search(r"Q4_1 fits only at --ctx \d+", mixed.why), mixed.why
 
 
 def test_disk_space_is_checked_with_numbers(hub: FakeHub, settings: Settings) -> None:
