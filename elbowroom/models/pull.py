@@ -57,7 +57,6 @@ from elbowroom.models.catalog import discover, slug
 from elbowroom.models.pullfit import (
     FITS,
     FITS_AT_CTX,
-    NEVER,
     FitVerdict,
     check_fit,
     machine_limit,
@@ -1105,25 +1104,6 @@ def _prune(folder: Path, root: Path) -> None:
         except OSError:
             return
         folder = folder.parent
-
-
-__all__ = [
-    "NEVER",
-    "ChecksumMismatch",
-    "GatedRepo",
-    "HubUnreachable",
-    "InsufficientMemory",
-    "InsufficientStorage",
-    "NothingToServe",
-    "PullName",
-    "PullPlan",
-    "PullResult",
-    "Puller",
-    "RepoNotFound",
-    "UnknownQuant",
-    "parse_name",
-    "remove",
-]
 
 
 def pulled_specs(settings: Settings, catalog: Any, name: str) -> list[ModelSpec]:
