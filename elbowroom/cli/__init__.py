@@ -14,6 +14,7 @@ from elbowroom.config import ConfigError
 def build_parser() -> argparse.ArgumentParser:
     from elbowroom.cli import memory as memory_cmd
     from elbowroom.cli import models as models_cmd
+    from elbowroom.cli import pull as pull_cmd
     from elbowroom.cli import server as server_cmd
 
     parser = argparse.ArgumentParser(
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     memory_cmd.register(sub)
     models_cmd.register(sub)
+    pull_cmd.register(sub)
     server_cmd.register(sub)
     return parser
 

@@ -80,6 +80,12 @@ class Catalog:
     def __len__(self) -> int:
         return len(self._specs)
 
+    def refresh_from(self, other: Catalog) -> None:
+        """Take ``other``'s models and problems (a discovery after a pull or a delete), in
+        place: whoever holds this catalog (scheduler, lanes, routes) sees the change."""
+        self._specs = dict(other._specs)
+        self.problems = other.problems
+
 
 def slug(name: str) -> str:
     """A file or folder name as an id: lowercase, URL-safe, at most 64 characters."""

@@ -88,6 +88,11 @@ class _Bad(ValueError):
     """A structural problem; read_gguf_info adds the file's name."""
 
 
+class HeaderShort(_Bad):
+    """The bytes end inside the header: a truncated file, or a header read in part (a
+    remote fit check reads more and tries again: models/remote_gguf.py)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Skipped:
     """A value not kept: a long string, or an array (its element type and count)."""
@@ -108,7 +113,7 @@ class Header:
 
 
 class _Cursor:
-    def __init__(self, buf: mmap.mmap, order: str) -> None:
+    def __init__(self, buf: mmap.mmap | bytes, order: str) -> None:
         self.buf = buf
         self.size = len(buf)
         self.order = order
@@ -116,14 +121,16 @@ class _Cursor:
 
     def take(self, fmt: str, size: int) -> Any:
         if self.off + size > self.size:
-            raise _Bad("the header runs past the end of the file (truncated?)")
+            raise HeaderShort("the header runs past the end of the file (truncated?)")
         (value,) = struct.unpack_from(self.order + fmt, self.buf, self.off)
         self.off += size
         return value
 
     def skip(self, n: int) -> None:
-        if n < 0 or self.off + n > self.size:
-            raise _Bad("the header runs past the end of the file (truncated?)")
+        if n < 0:
+            raise _Bad("a negative length in the header")
+        if self.off + n > self.size:
+            raise HeaderShort("the header runs past the end of the file (truncated?)")
         self.off += n
 
     def string(self, limit: int | None = None) -> str | Skipped:
@@ -137,8 +144,14 @@ class _Cursor:
         return bytes(self.buf[start : start + n]).decode("utf-8", "replace")
 
 
-def parse_header(buf: mmap.mmap) -> Header:
-    """Metadata and tensor sizes of a GGUF file (its bytes, from the magic on)."""
+def parse_header(buf: mmap.mmap | bytes, file_size: int | None = None) -> Header:
+    """Metadata and tensor sizes of a GGUF file (its bytes, from the magic on).
+
+    ``buf`` may be the file's first bytes only (a remote header read): ``file_size`` is then
+    the whole file's, which the tensors' data must lie within; running out of ``buf`` is a
+    ``HeaderShort``."""
+    if len(buf) < 24 and buf[: len(buf)] == _GGUF_MAGIC[: len(buf)]:
+        raise HeaderShort("the file ends before its header does (truncated?)")
     if len(buf) < 24 or buf[:4] != _GGUF_MAGIC:
         raise _Bad("not a GGUF file (no GGUF magic number)")
     (version,) = struct.unpack_from("<I", buf, 4)
@@ -162,7 +175,7 @@ def parse_header(buf: mmap.mmap) -> Header:
         if key in header.fields:
             raise _Bad(f"duplicate metadata key {key!r}")
         header.fields[key] = _value(cur, int(cur.take("I", 4)), key, header)
-    _tensors(cur, n_tensors, header)
+    _tensors(cur, n_tensors, header, cur.size if file_size is None else file_size)
     return header
 
 
@@ -199,12 +212,12 @@ def _skip_strings(cur: _Cursor, count: int) -> int:
     buf, off, end, longest = cur.buf, cur.off, cur.size, 0
     for _ in range(count):
         if off + 8 > end:
-            raise _Bad("a string array runs past the end of the file (truncated?)")
+            raise HeaderShort("a string array runs past the end of the file (truncated?)")
         (n,) = length.unpack_from(buf, off)
         off += 8 + n
         longest = max(longest, n)
     if off > end:
-        raise _Bad("a string array runs past the end of the file (truncated?)")
+        raise HeaderShort("a string array runs past the end of the file (truncated?)")
     cur.off = off
     return int(longest)
 
@@ -213,7 +226,7 @@ def _skip_strings(cur: _Cursor, count: int) -> int:
 _LOOKUP_TENSORS = ("token_embd.", "per_layer_token_embd.", "position_embd.", "token_types.")
 
 
-def _tensors(cur: _Cursor, count: int, header: Header) -> None:
+def _tensors(cur: _Cursor, count: int, header: Header, file_size: int) -> None:
     """Walk the tensor infos: count parameters, check that the data lies inside the file."""
     spans: list[tuple[str, int, int]] = []
     tied_embd: tuple[str, int] | None = None  # token_embd's (type, bytes) if repackable
@@ -259,7 +272,7 @@ def _tensors(cur: _Cursor, count: int, header: Header) -> None:
         raise _Bad(f"general.alignment {alignment!r} is not a power of two")
     data = -(-cur.off // alignment) * alignment
     for name, offset, nbytes in spans:
-        if data + offset + nbytes > cur.size:
+        if data + offset + nbytes > file_size:
             raise _Bad(f"tensor {name!r} runs past the end of the file (truncated download?)")
 
 
@@ -350,7 +363,19 @@ def read_gguf_info(path: Path) -> GGUFInfo:
         raise InvalidModel(f"{path} is not a readable GGUF file: {exc}") from exc
 
 
-def _info(header: Header, path: Path) -> GGUFInfo:
+def info_from_header(header: Header, path: Path, *, beside: bool = True) -> GGUFInfo:
+    """The footprint's numbers from a parsed header (``path`` names it in errors and gives
+    the model's name when the file has none); InvalidModel when it is not a model.
+    ``beside``: look for a projector beside ``path`` (False for a file not on disk)."""
+    try:
+        return _info(header, path, beside=beside)
+    except InvalidModel:
+        raise
+    except (_Bad, ValueError, OverflowError, struct.error) as exc:
+        raise InvalidModel(f"{path} is not a readable GGUF file: {exc}") from exc
+
+
+def _info(header: Header, path: Path, *, beside: bool = True) -> GGUFInfo:
     f = header.fields
     arch = f.get("general.architecture")
     if not isinstance(arch, str) or not arch:
@@ -390,7 +415,7 @@ def _info(header: Header, path: Path) -> GGUFInfo:
         has_chat_template=any(k.startswith("tokenizer.chat_template") for k in f),
         sliding_window=_int(header, f"{arch}.attention.sliding_window", "attention.sliding_window")
         or None,
-        mmproj=_find_mmproj(path),
+        mmproj=_find_mmproj(path) if beside else None,
         n_params=header.n_params or None,
         kv_heads_per_layer=None if uniform else kv_heads,
         n_vocab=n_vocab,

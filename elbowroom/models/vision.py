@@ -37,10 +37,14 @@ import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from elbowroom.errors import InsufficientMemory
 from elbowroom.models.spec import ModelSpec, Projector
 from elbowroom.units import format_size
+
+if TYPE_CHECKING:
+    from elbowroom.models.gguf_meta import Header
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +89,14 @@ def read_projector(path: Path) -> Projector:
         header = read_header(path)
     except (ValueError, OSError, OverflowError, struct.error) as exc:
         raise InvalidModel(f"{path} is not a readable GGUF file: {exc}") from exc
+    return projector_from_header(header, path)
+
+
+def projector_from_header(header: Header, path: Path) -> Projector:
+    """The projector's shape from its parsed header (read from disk, or over HTTP by
+    `elbowroom pull`); InvalidModel when it is not a vision projector."""
+    from elbowroom.models.gguf_meta import InvalidModel
+
     f = header.fields
     if f.get("general.architecture") != "clip":
         raise InvalidModel(f"{path} is not a projector (general.architecture is not 'clip')")

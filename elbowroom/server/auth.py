@@ -68,8 +68,15 @@ class Keys:
         return found
 
 
+# Ollama's routes that change the models the server has (docs/pull.md): admin, not inference.
+ADMIN_OLLAMA_PATHS = frozenset({"/api/pull", "/api/delete"})
+
+
 def admin_path(path: str) -> bool:
-    """Routes that run or reveal the server itself; Ollama's /api routes are inference."""
+    """Routes that run or reveal the server itself; Ollama's /api routes are inference,
+    except those that fetch or delete models."""
+    if path in ADMIN_OLLAMA_PATHS:
+        return True
     if is_ollama_path(path):
         return False
     return any(path == p or path.startswith(p + "/") for p in ADMIN_PREFIXES)

@@ -100,8 +100,8 @@ def resolve(catalog: Any, name: str, kinds: tuple[ModelKind, ...], endpoint: str
         err = ModelNotFound(name)
         err.message = (
             f"model '{name}' not found: GET /api/tags lists the models this server has; "
-            "models come from files (elbowroom serve --model PATH or the models folder), "
-            "not from pulls"
+            "models come from files (elbowroom serve --model PATH or the models folder) "
+            "and from Hugging Face (POST /api/pull with hf.co/USER/REPO[:QUANT])"
         )
         raise err
     if spec.kind not in kinds:
@@ -153,17 +153,16 @@ async def ps(request: Request) -> dict[str, Any]:
     return {"models": models, "memory": summary}
 
 
-@router.api_route("/pull", methods=["POST"], operation_id="ollama_pull")
 @router.api_route("/push", methods=["POST"], operation_id="ollama_push")
 @router.api_route("/create", methods=["POST"], operation_id="ollama_create")
 @router.api_route("/copy", methods=["POST"], operation_id="ollama_copy")
-@router.api_route("/delete", methods=["DELETE"], operation_id="ollama_delete")
 @router.api_route("/blobs/{digest}", methods=["HEAD"], operation_id="ollama_blobs_head")
 @router.api_route("/blobs/{digest}", methods=["POST"], operation_id="ollama_blobs_post")
 async def not_here(request: Request) -> Response:
     raise _NotImplementedHere(
-        f"{request.method} {request.url.path} is not supported: elbowroom does not download, "
-        "create or delete models. It serves model files it finds: put a GGUF file (or a "
+        f"{request.method} {request.url.path} is not supported: elbowroom does not push, "
+        "create or copy models. It downloads them from Hugging Face (POST /api/pull with "
+        "hf.co/USER/REPO[:QUANT]) and serves model files it finds: put a GGUF file (or a "
         "whisper/piper/ONNX folder) in the models folder (~/.local/share/elbowroom/models, "
         "ELBOWROOM_MODELS_DIR) or name it with `elbowroom serve --model PATH`; GET /api/tags "
         "lists what it serves."

@@ -147,7 +147,7 @@ def test_errors_in_ollama_shape(client: ollama.Client, server: ServerProcess) ->
     assert info.value.status_code == 404 and "GET /api/tags" in info.value.error
     with pytest.raises(ollama.ResponseError) as info:
         client.pull("llama3.2")
-    assert info.value.status_code == 501 and "models folder" in info.value.error
+    assert info.value.status_code == 400 and "not Ollama's library" in info.value.error
     with pytest.raises(ollama.ResponseError) as info:
         client.chat(model=LLM, messages=[{"role": "user", "content": "?", "images": [b"\x89PNG"]}])
     assert info.value.status_code == 400 and "images" in info.value.error

@@ -38,6 +38,8 @@ def fuzz_server(server_factory: ServerFactory) -> ServerProcess:
             "ELBOWROOM_MAX_TOKENS_CAP": "1",  # generations stay short
             "ELBOWROOM_MAX_SPEECH_CHARS": "64",
             "ELBOWROOM_MAX_EMBEDDING_INPUTS": "8",
+            # /api/pull never reaches the real Hub: a port nothing listens on (a 503)
+            "HF_ENDPOINT": "http://127.0.0.1:9",
         },
     )
 
@@ -68,8 +70,8 @@ def fuzz_operation(operation: Any, server: ServerProcess, failures: list[str]) -
         except Exception as exc:  # a timeout is a hang
             failures.append(f"{where}: {type(exc).__name__}: {exc}")
             return
-        # 501 (Ollama's pull/push/blobs: elbowroom never downloads), 503 (queue full,
-        # pressure) and 507 (cannot fit) are answers; any other 5xx is a bug.
+        # 501 (Ollama's push/blobs), 503 (queue full, pressure, the Hub unreachable) and
+        # 507 (cannot fit) are answers; any other 5xx is a bug.
         if response.status_code >= 500 and response.status_code not in (501, 503, 507):
             failures.append(f"{where} -> {response.status_code}: {response.text[:300]}")
         elif response.status_code >= 400 and operation.method.upper() != "HEAD":

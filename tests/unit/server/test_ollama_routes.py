@@ -149,9 +149,10 @@ def test_errors_have_ollama_shape_and_elbowroom_statuses(harness: Harness) -> No
             400,
             "keep_alive",
         ),
-        ("POST", "/api/pull", {"model": "llama3"}, 501, "models folder"),
+        ("POST", "/api/pull", {"model": "llama3"}, 400, "not Ollama's library"),
+        ("POST", "/api/pull", {"model": "a/b", "quantize": "q4"}, 400, "quantize"),
         ("POST", "/api/create", {"model": "x"}, 501, "elbowroom serve --model"),
-        ("DELETE", "/api/delete", {"model": "x"}, 501, "not supported"),
+        ("DELETE", "/api/delete", {"model": "x"}, 404, "no model 'x' to delete"),
     ]
     for method, path, body, status, words in cases:
         r = c.request(method, path, json=body)
