@@ -29,6 +29,7 @@ from elbowroom.server import (
     metrics,
     ollama_routes,
     openai_routes,
+    responses_routes,
 )
 from elbowroom.server.auth import ApiKeyMiddleware, Keys
 from elbowroom.server.deps import Services
@@ -103,6 +104,7 @@ def create_app(
     app.include_router(audio_routes.router)
     app.include_router(embeddings_routes.router)
     app.include_router(metrics.router)
+    app.include_router(responses_routes.router)
     return app
 
 
