@@ -26,6 +26,7 @@ from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_va
 
 from elbowroom.errors import BadRequest
 from elbowroom.server.chat_schemas import STRICT, Name
+from elbowroom.server.errors import validation_to_bad_request
 from elbowroom.server.responses_store import new_id
 from elbowroom.server.schemas import KeepAlive, MaxTokens, Temperature, TopP
 
@@ -372,19 +373,14 @@ class ResponsesRequest(BaseModel):
 
 
 def _validated(model: type[BaseModel], raw: Any, where: str) -> Any:
+    """``raw`` as ``model``; a 400 whose param is the path the client wrote."""
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
-        message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
-        if first.get("type") == "extra_forbidden":
-            message = "is not a field elbowroom accepts here; remove it"
-        raise BadRequest(
-            f"Invalid value for {where + loc!r}: {message}",
-            param=where + loc,
-            code="invalid_value",
-        ) from None
+        err = validation_to_bad_request(exc.errors())
+        param = f"{where}.{err.param}" if err.param else where
+        message = err.message.replace(repr(err.param), repr(param)) if err.param else err.message
+        raise BadRequest(message, param=param, code=err.code) from None
 
 
 def _user_text(text: str) -> dict[str, Any]:
