@@ -425,3 +425,14 @@ def test_error_mid_stream_is_an_error_event(h: Harness) -> None:
     # A failed response is not stored.
     with pytest.raises(openai.NotFoundError):
         client(h).responses.retrieve(got[0].response.id)
+
+
+def test_metrics_count_responses(h: Harness) -> None:
+    client(h).responses.create(model=MODEL, input="Hi")
+    text = h.client.get("/metrics").text
+    line = next(
+        (ln for ln in text.splitlines() if ln.startswith("elbowroom_requests_total{")
+         and 'endpoint="responses"' in ln and 'status="200"' in ln),
+        None,
+    )  # fmt: skip
+    assert line is not None and f'model="{MODEL}"' in line, text
