@@ -145,14 +145,16 @@ async def _stream(
             ):
                 yield out
             return
-        for out in translator.done():
+        last = translator.done()
+        if store is not None and translator.final is not None:
+            # Stored before the client hears it is complete: a GET right after finds it.
+            await asyncio.to_thread(store.put, translator.turn.id, owner, record(translator.final))
+        for out in last:
             yield out
     finally:
         close = getattr(chunks, "aclose", None)
         if close is not None:
             await close()
-    if store is not None and translator.final is not None:
-        await asyncio.to_thread(store.put, translator.turn.id, owner, record(translator.final))
 
 
 @router.get("/responses/{response_id}")

@@ -4,6 +4,7 @@ models, every refusal is checked for OpenAI's error shape and status."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -13,10 +14,12 @@ import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
-from server_fakes import Harness
+from server_fakes import Harness, services
 
+from elbowroom.config import Settings
 from elbowroom.engines.requests import TextRequest
 from elbowroom.errors import InsufficientMemory, MemoryPressure, QueueFull
+from elbowroom.server.app import create_app
 
 MODEL = "smollm2-135m"
 WEATHER = {
@@ -436,3 +439,49 @@ def test_metrics_count_responses(h: Harness) -> None:
         None,
     )  # fmt: skip
     assert line is not None and f'model="{MODEL}"' in line, text
+
+
+def test_client_leaving_mid_stream_cancels_and_stores_nothing(tmp_path: Path) -> None:
+    svc, scheduler = services(Settings(data_dir=tmp_path))
+    scheduler.script.hang_after_first = True
+    app = create_app(svc.settings, services=svc)
+    body = json.dumps({"model": MODEL, "input": "x", "stream": True}).encode()
+    first_token = asyncio.Event()
+    sent: list[dict[str, Any]] = []
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        if pending:
+            return pending.pop()
+        await first_token.wait()  # the client leaves once it has seen a token
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        if b'"delta":"Hel"' in message.get("body", b""):
+            first_token.set()
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/responses",
+        "raw_path": b"/v1/responses",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json"), (b"host", b"localhost")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+
+    async def run() -> None:
+        # The runner hangs after its first piece: only the disconnect can end this call.
+        await asyncio.wait_for(app(scope, receive, send), timeout=30)
+
+    asyncio.run(run())
+    assert sent[0]["status"] == 200 and first_token.is_set()
+    assert scheduler.closed == 1  # the runner's iterator was closed (generation cancelled)
+    assert scheduler.released == [None]  # and the model handed back as a normal release
+    assert not list((tmp_path / "responses").glob("resp_*.json"))
