@@ -485,3 +485,20 @@ def test_client_leaving_mid_stream_cancels_and_stores_nothing(tmp_path: Path) ->
     assert scheduler.closed == 1  # the runner's iterator was closed (generation cancelled)
     assert scheduler.released == [None]  # and the model handed back as a normal release
     assert not list((tmp_path / "responses").glob("resp_*.json"))
+
+
+def test_the_body_limits_and_origin_rules_apply(
+    make_harness: Callable[..., Harness], tmp_path: Path
+) -> None:
+    h = make_harness(data_dir=tmp_path, max_chars=100)
+    r = h.client.post("/v1/responses", json={"model": MODEL, "input": "x" * 200})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "too_many_characters"
+    r = h.client.post(
+        "/v1/responses",
+        json={"model": MODEL, "input": "x"},
+        headers={"Origin": "https://evil.example"},
+    )
+    assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+    r = h.client.post("/v1/responses", content=b"input=x", headers={"Content-Type": "text/plain"})
+    assert r.status_code == 415
+    assert h.scheduler.requests == []
