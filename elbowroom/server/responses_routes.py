@@ -67,15 +67,17 @@ async def create_response(request: Request, body: ResponsesRequest) -> Response:
             param="input",
             code="too_many_messages",
         )
+    if (body.max_output_tokens or 0) > openai_routes.ABSURD_MAX_TOKENS:
+        raise BadRequest(
+            f"max_output_tokens={body.max_output_tokens} is absurd: this server generates at "
+            f"most {settings.max_tokens_cap} tokens per request (max_tokens_cap)",
+            param="max_output_tokens",
+            code="invalid_value",
+        )
     try:
         chat_request = ChatCompletionRequest.model_validate(chat)
     except ValidationError as exc:
-        err = validation_to_bad_request(exc.errors())
-        raise BadRequest(
-            f"{err.message} (in the conversation this request continues, as chat messages)",
-            param="input",
-            code=err.code,
-        ) from None
+        raise _in_responses_terms(validation_to_bad_request(exc.errors())) from None
     turn = Turn(body, model)
     conversation = history + new
 
@@ -234,6 +236,27 @@ def _store_and_owner(request: Request) -> tuple[ResponseStore, str]:
 
 async def _get(store: ResponseStore, response_id: str, owner: str) -> dict[str, Any] | None:
     return await asyncio.to_thread(store.get, response_id, owner)
+
+
+# The chat request's params, as this request named them.
+_PARAMS = {
+    "messages": "input",
+    "response_format": "text.format",
+    "max_completion_tokens": "max_output_tokens",
+}
+
+
+def _in_responses_terms(err: BadRequest) -> BadRequest:
+    """A 400 of the chat schema, naming what the client sent instead of the chat field."""
+    param = err.param or ""
+    head = param.split(".", 1)[0].split("[", 1)[0]
+    if head not in _PARAMS:
+        return err
+    where = _PARAMS[head]
+    message = err.message.replace(repr(param), repr(where))
+    if head == "messages":
+        message += " (in the conversation as chat messages: instructions, the stored one, input)"
+    return BadRequest(message, param=where, code=err.code)
 
 
 def _not_found(response_id: str, param: str | None = None) -> ResponseNotFound:

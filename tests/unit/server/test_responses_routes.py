@@ -502,3 +502,21 @@ def test_the_body_limits_and_origin_rules_apply(
     r = h.client.post("/v1/responses", content=b"input=x", headers={"Content-Type": "text/plain"})
     assert r.status_code == 415
     assert h.scheduler.requests == []
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}},
+         "tool_choice"),
+        ({"max_output_tokens": 1 << 30}, "max_output_tokens"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"text": {"format": {"type": "json_schema", "name": "bad name!", "schema": {}}}},
+         "text.format.name"),
+    ],
+)  # fmt: skip
+def test_chat_rules_name_the_responses_field(h: Harness, body: dict[str, Any], param: str) -> None:
+    r = h.client.post("/v1/responses", json={"model": MODEL, "input": "x", **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
