@@ -139,7 +139,13 @@ LABELS = {
 }
 
 
-def report(out: dict[str, list[dict[str, Any]]], rounds: list[dict[str, str]], n_in: int) -> str:
+def per_round(out: dict[str, list[dict[str, Any]]], name: str) -> list[float]:
+    return [r["ttft"] / c["ttft"] for r, c in zip(out["recompute"], out[name], strict=True)]
+
+
+def report(
+    out: dict[str, list[dict[str, Any]]], rounds: list[dict[str, str]], n_in: int, when: str
+) -> str:
     med = {k: statistics.median(r["ttft"] for r in v) for k, v in out.items()}
     lines = [
         "# Stored conversations through /v1/responses: time to first token",
@@ -148,7 +154,7 @@ def report(out: dict[str, list[dict[str, Any]]], rounds: list[dict[str, str]], n
         f"conversation of {n_in} prompt tokens (instructions + 3 turns + a new question), "
         "continued by `previous_response_id` vs sent whole. Medians over the rounds with "
         f"min–max. Machine: {platform.machine()}, {os.cpu_count()} CPUs, **shared with other "
-        f"work** (see the load averages); {time.strftime('%Y-%m-%d %H:%M')}.",
+        f"work** (see the load averages); {when}.",
         "",
         "| configuration | TTFT median (min–max) | cached tokens (median) | recompute ÷ this |",
         "|---|---:|---:|---:|",
@@ -175,6 +181,12 @@ def report(out: dict[str, list[dict[str, Any]]], rounds: list[dict[str, str]], n
         f"{cold_ratio:.2f}x",
         f"- after a restart vs recompute: {med['recompute'] / med['after_restart']:.2f}x",
         "",
+        "Per-round ratios (that round's recompute ÷ that round's continuation), min–max: "
+        + "; ".join(
+            f"{k} {min(per_round(out, k)):.2f}–{max(per_round(out, k)):.2f}x"
+            for k in ("continuation", "after_eviction", "after_restart")
+        ),
+        "",
         "Per round (ms): "
         + "; ".join(
             f"round {i + 1}: " + ", ".join(f"{k} {out[k][i]['ttft'] * 1000:.0f}" for k in LABELS)
@@ -194,7 +206,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument(
+        "--from-json", type=Path, default=None, help="write the report of a recorded run again"
+    )
     args = parser.parse_args()
+    if args.from_json is not None:
+        data = json.loads(args.from_json.read_text())
+        text = report(data["results"], data["rounds"], data["prompt_tokens"], data["recorded"])
+        (args.out / "responses_cache.md").write_text(text)
+        print(text)
+        return
     items = conversation_items()
     out: dict[str, list[dict[str, Any]]] = {k: [] for k in LABELS}
     rounds = []
@@ -266,9 +287,10 @@ def main() -> None:
             cached.stop()
     n_in = int(statistics.median(r["input_tokens"] for r in out["recompute"]))
     args.out.mkdir(parents=True, exist_ok=True)
-    data = {"results": out, "rounds": rounds, "prompt_tokens": n_in}
+    when = time.strftime("%Y-%m-%d %H:%M")
+    data = {"results": out, "rounds": rounds, "prompt_tokens": n_in, "recorded": when}
     (args.out / "responses_cache.json").write_text(json.dumps(data, indent=2))
-    text = report(out, rounds, n_in)
+    text = report(out, rounds, n_in, when)
     (args.out / "responses_cache.md").write_text(text)
     print(text)
 
