@@ -88,7 +88,10 @@ async def create_response(request: Request, body: ResponsesRequest) -> Response:
             "conversation": conversation + output_messages(response["output"]),
         }
 
-    inner = await openai_routes.chat_completions(request, chat_request)
+    try:
+        inner = await openai_routes.chat_completions(request, chat_request)
+    except BadRequest as err:  # the model's checks (parts it cannot read, images)
+        raise _in_responses_terms(err) from None
     if not body.stream:
         if inner.status_code != 200 or not isinstance(inner, JSONResponse):
             return inner  # the client left (499)
@@ -255,8 +258,11 @@ def _in_responses_terms(err: BadRequest) -> BadRequest:
     where = _PARAMS[head]
     message = err.message.replace(repr(param), repr(where))
     if head == "messages":
-        message += " (in the conversation as chat messages: instructions, the stored one, input)"
-    return BadRequest(message, param=where, code=err.code)
+        message += (
+            f" ({param} of the conversation as chat messages: the instructions, the stored "
+            "conversation, then input)"
+        )
+    return type(err)(message, param=where, code=err.code, details=err.details)
 
 
 def _not_found(response_id: str, param: str | None = None) -> ResponseNotFound:

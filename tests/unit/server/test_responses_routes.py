@@ -15,6 +15,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 from server_fakes import Harness, services
+from starlette.testclient import TestClient
 
 from elbowroom.config import Settings
 from elbowroom.engines.requests import TextRequest
@@ -520,3 +521,40 @@ def test_chat_rules_name_the_responses_field(h: Harness, body: dict[str, Any], p
     r = h.client.post("/v1/responses", json={"model": MODEL, "input": "x", **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_input_image_reaches_a_vision_model(tmp_path: Path) -> None:
+    import dataclasses
+
+    from test_images import encoded, url
+    from vision_gguf import write_projector
+
+    from elbowroom.models.vision import read_projector
+
+    svc, scheduler = services(Settings(data_dir=tmp_path))
+    catalog: Any = svc.catalog
+    text_only = catalog.get(MODEL)
+    image = url(encoded("PNG"))
+    item = {
+        "role": "user",
+        "content": [
+            {"type": "input_text", "text": "What is this?"},
+            {"type": "input_image", "image_url": image, "detail": "low"},
+        ],
+    }
+    with TestClient(create_app(svc.settings, services=svc), base_url="http://localhost") as http:
+        r = http.post("/v1/responses", json={"model": MODEL, "input": [item]})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "input" and err["code"] == "model_not_supported"
+        assert "messages[0].content[1].type" in err["message"]
+        proj = read_projector(write_projector(tmp_path / "mmproj-t.gguf"))
+        catalog._specs[MODEL] = dataclasses.replace(text_only, projector=proj)
+        r = http.post("/v1/responses", json={"model": MODEL, "input": [item]})
+        assert r.status_code == 200, r.text
+    ((_, text),) = scheduler.requests
+    assert isinstance(text, TextRequest)
+    (message,) = text.messages
+    assert message["content"][0] == {"type": "text", "text": "What is this?"}
+    assert message["content"][1]["type"] == "image_url"
+    assert message["content"][1]["image_url"]["url"].startswith("data:image/png;base64,")
