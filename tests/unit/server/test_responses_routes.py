@@ -524,9 +524,11 @@ def test_chat_rules_name_the_responses_field(h: Harness, body: dict[str, Any], p
 
 
 def test_input_image_reaches_a_vision_model(tmp_path: Path) -> None:
+    import base64
     import dataclasses
+    import io
 
-    from test_images import encoded, url
+    from PIL import Image
     from vision_gguf import write_projector
 
     from elbowroom.models.vision import read_projector
@@ -534,7 +536,9 @@ def test_input_image_reaches_a_vision_model(tmp_path: Path) -> None:
     svc, scheduler = services(Settings(data_dir=tmp_path))
     catalog: Any = svc.catalog
     text_only = catalog.get(MODEL)
-    image = url(encoded("PNG"))
+    png = io.BytesIO()
+    Image.new("RGB", (32, 24), (10, 200, 30)).save(png, "PNG")
+    image = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
     item = {
         "role": "user",
         "content": [
