@@ -18,7 +18,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
@@ -163,7 +163,23 @@ async def _stream(
 
 
 @router.get("/responses/{response_id}")
-async def get_response(request: Request, response_id: str) -> dict[str, Any]:
+async def get_response(
+    request: Request,
+    response_id: str,
+    stream: bool = False,
+    include: Annotated[list[str] | None, Query()] = None,
+) -> dict[str, Any]:
+    if stream:
+        raise BadRequest(
+            "stream=true (replaying a stored response's events) is not supported: the stored "
+            "response is returned whole",
+            param="stream",
+            code="invalid_value",
+        )
+    if include:
+        raise BadRequest(
+            f"include {include[0]!r} is not supported", param="include", code="invalid_value"
+        )
     store, owner = _store_and_owner(request)
     found = await _get(store, response_id, owner)
     if found is None:

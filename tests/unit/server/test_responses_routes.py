@@ -562,3 +562,15 @@ def test_input_image_reaches_a_vision_model(tmp_path: Path) -> None:
     assert message["content"][0] == {"type": "text", "text": "What is this?"}
     assert message["content"][1]["type"] == "image_url"
     assert message["content"][1]["image_url"]["url"].startswith("data:image/png;base64,")
+
+
+def test_get_refuses_what_it_cannot_do(h: Harness) -> None:
+    out = client(h).responses.create(model=MODEL, input="Hi")
+    for query in ("stream=true", "include=file_search_call.results"):
+        r = h.client.get(f"/v1/responses/{out.id}?{query}")
+        assert r.status_code == 400 and r.json()["error"]["param"] == query.split("=")[0]
+    r = h.client.get(f"/v1/responses/{out.id}/input_items?order=sideways")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "order"
+    r = h.client.get(f"/v1/responses/{out.id}/input_items?after=msg_nope")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "after"
+    assert h.client.get(f"/v1/responses/{out.id}?stream=false").status_code == 200
