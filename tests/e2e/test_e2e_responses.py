@@ -210,20 +210,16 @@ def test_another_key_gets_404(server: ServerProcess) -> None:
         client(server).responses.retrieve(mine.id)
 
 
-def test_openai_agents_default_model(server: ServerProcess) -> None:
+def test_openai_agents_default_model(live: Live) -> None:
     agents = pytest.importorskip("agents", reason="openai-agents is in the dev extra")
+    from pydantic import BaseModel
+
     agents.set_tracing_disabled(True)
-    model = agents.OpenAIResponsesModel(
-        model=MODEL,
-        openai_client=openai.AsyncOpenAI(
-            base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120
-        ),
-    )
-    settings = agents.ModelSettings(max_tokens=24, temperature=0)
-    plain = agents.Agent(
-        name="plain", instructions="Answer in one short sentence.", model=model,
-        model_settings=settings,
-    )  # fmt: skip
+
+    class Person(BaseModel):
+        name: str
+        age: int
+
     called: list[str] = []
 
     @agents.function_tool
@@ -232,28 +228,72 @@ def test_openai_agents_default_model(server: ServerProcess) -> None:
         called.append(city)
         return f"Sunny, 24 C in {city}"
 
-    tooled = agents.Agent(
-        name="weather",
-        instructions="Use get_weather to answer.",
-        model=model,
-        tools=[get_weather],
-        model_settings=agents.ModelSettings(max_tokens=48, temperature=0, tool_choice="required"),
-        tool_use_behavior="stop_on_first_tool",
-    )
-
-    async def run() -> tuple[Any, Any, Any, str]:
-        first = await agents.Runner.run(plain, "What is the capital of France?")
-        more = await agents.Runner.run(
-            plain, "And of Italy?", previous_response_id=first.last_response_id
+    def agents_on(server: ServerProcess) -> dict[str, Any]:
+        model = agents.OpenAIResponsesModel(
+            model=MODEL,
+            openai_client=openai.AsyncOpenAI(
+                base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120
+            ),
         )
-        tool = await agents.Runner.run(tooled, "What is the weather in Paris?")
-        streamed = agents.Runner.run_streamed(plain, "Say hi.")
+        # The SDK takes a response cut by max_tokens for an error: room for whole answers.
+        settings = agents.ModelSettings(max_tokens=96, temperature=0)
+        return {
+            "plain": agents.Agent(
+                name="plain", instructions=SYSTEM, model=model, model_settings=settings
+            ),
+            "tooled": agents.Agent(
+                name="weather",
+                instructions="Use get_weather to answer.",
+                model=model,
+                tools=[get_weather],
+                model_settings=agents.ModelSettings(
+                    max_tokens=48, temperature=0, tool_choice="required"
+                ),
+                tool_use_behavior="stop_on_first_tool",
+            ),
+            "answer": agents.Agent(
+                name="answer", instructions="Answer in one short sentence.", model=model,
+                model_settings=settings,
+            ),
+            "typed": agents.Agent(
+                name="typed", instructions="Invent a person.", model=model, output_type=Person,
+                model_settings=settings,
+            ),
+        }  # fmt: skip
+
+    async def before_restart(a: dict[str, Any]) -> dict[str, Any]:
+        run = agents.Runner.run
+        out: dict[str, Any] = {}
+        # call -> the SDK runs the tool -> its output item -> the model's answer
+        call = await run(a["tooled"], "What is the weather in Paris?")
+        outputs = [i.to_input_item() for i in call.new_items if i.type == "tool_call_output_item"]
+        out["call"], out["outputs"] = call, outputs
+        out["answer"] = await run(a["answer"], outputs, previous_response_id=call.last_response_id)
+        out["typed"] = await run(a["typed"], "Go.")
+        streamed = agents.Runner.run_streamed(a["answer"], "Say hi.")
         async for _ in streamed.stream_events():
             pass
-        return first, more, tool, str(streamed.final_output)
+        out["streamed"] = streamed.final_output
+        # Last: still in its slot when the server stops, so the disk tier keeps its state
+        # (a conversation pushed out of every slot before that is recomputed once).
+        out["first"] = await run(a["plain"], "Hammers?")
+        return out
 
-    first, more, tool, streamed = asyncio.run(run())
-    assert str(first.final_output).strip() and str(more.final_output).strip()
-    assert more.raw_responses[-1].usage.input_tokens > first.raw_responses[-1].usage.input_tokens
-    assert called and tool.final_output == f"Sunny, 24 C in {called[0]}"
-    assert streamed.strip()
+    got = asyncio.run(before_restart(agents_on(live.get())))
+    first = got["first"]
+    assert str(first.final_output).strip()
+    assert [i.type for i in got["call"].new_items] == ["tool_call_item", "tool_call_output_item"]
+    assert called and got["call"].final_output == f"Sunny, 24 C in {called[0]}"
+    assert len(got["outputs"]) == 1 and got["outputs"][0]["type"] == "function_call_output"
+    assert str(got["answer"].final_output).strip()
+    assert isinstance(got["typed"].final_output, Person) and got["typed"].final_output.name
+    assert str(got["streamed"]).strip()
+
+    restarted = agents_on(live.restart())
+    more = asyncio.run(
+        agents.Runner.run(restarted["plain"], "Nails?", previous_response_id=first.last_response_id)
+    )
+    assert str(more.final_output).strip()
+    usage = more.raw_responses[-1].usage
+    assert usage.input_tokens > first.raw_responses[-1].usage.input_tokens
+    assert usage.input_tokens_details.cached_tokens >= 128  # the stored turn, from the disk tier
