@@ -151,6 +151,9 @@ class Settings:
     kv_ram_max: int = _size(default=512 * 1024**2)
     kv_disk_max: int = _size(default=4 * 1024**3)
     kv_block_tokens: int = 64
+    # --- stored responses of /v1/responses (docs/api.md#responses): data dir / "responses"
+    responses_ttl: float = 30 * 24 * 3600.0  # seconds a stored response is kept
+    responses_max: int = _size(default=1024**3)  # bytes of all stored responses (oldest go)
     # --- cluster (docs/cluster.md; needs the `cluster` extra)
     cluster: str | None = None  # Ray address ("auto", "10.0.0.1:6379"); None: one machine
     cluster_poll: float = 0.5  # seconds between readings of every node's memory
@@ -165,6 +168,10 @@ class Settings:
     @property
     def kv_cache_path(self) -> Path:
         return self.kv_cache_dir if self.kv_cache_dir is not None else default_cache_dir() / "kv"
+
+    @property
+    def responses_path(self) -> Path:
+        return self.data_dir / "responses"
 
     @property
     def measurements_path(self) -> Path:
@@ -311,6 +318,8 @@ def _validate(s: Settings) -> None:
             raise ConfigError(f"{name} must be >= 0, not {getattr(s, name)}")
     if s.kv_block_tokens < 1:
         raise ConfigError(f"kv_block_tokens must be >= 1, not {s.kv_block_tokens}")
+    if s.responses_ttl <= 0 or s.responses_max < 0:
+        raise ConfigError("responses_ttl must be > 0 seconds and responses_max >= 0 bytes")
     if s.cluster_poll <= 0:
         raise ConfigError(f"cluster_poll must be > 0 seconds, not {s.cluster_poll}")
     from elbowroom.cluster.rpc import RpcBindError, check_rpc_bind

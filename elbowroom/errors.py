@@ -118,6 +118,11 @@ class ModelNotFound(ElbowroomError):
         )
 
 
+class ResponseNotFound(ElbowroomError):
+    status = 404
+    type = "not_found_error"
+
+
 class PayloadTooLarge(ElbowroomError):
     status = 413
     type = "invalid_request_error"

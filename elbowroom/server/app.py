@@ -30,6 +30,7 @@ from elbowroom.server import (
     ollama_routes,
     openai_routes,
     pull_routes,
+    responses_routes,
 )
 from elbowroom.server.auth import ApiKeyMiddleware, Keys
 from elbowroom.server.deps import Services
@@ -105,6 +106,7 @@ def create_app(
     app.include_router(embeddings_routes.router)
     app.include_router(metrics.router)
     app.include_router(pull_routes.router)  # /api/pull, /api/delete (docs/pull.md)
+    app.include_router(responses_routes.router)
     return app
 
 

@@ -50,6 +50,7 @@ ENDPOINTS = {
     "/v1/audio/transcriptions": "transcriptions",
     "/v1/audio/translations": "translations",
     "/v1/audio/speech": "speech",
+    "/v1/responses": "responses",
     # Ollama's API (ollama_routes)
     "/api/chat": "ollama_chat",
     "/api/generate": "ollama_generate",
