@@ -727,9 +727,20 @@ def reaction_ms(r: Run) -> dict[str, Any]:
     """The kernel's notification -> the guard's first relief action, per notification the
     run kept in /api/guard's events (count, median, p99 by nearest rank, max, ms)."""
     times = sorted(e["reaction"] * 1000 for e in r.events if e.get("reaction") is not None)
+    # relief a later (fast) sample took within 2 s of a notification: ms after it
+    later = sorted(
+        round(e["after_notification"] * 1000, 1)
+        for e in r.events
+        if e.get("after_notification") is not None
+    )
+    relief = [
+        e for e in r.events if e["kind"] in ("pause_loads", "close_admission", "unload", "abort")
+    ]
     if not times:
-        return {"count": 0}
+        return {"count": 0, "after_notification": later, "relief_actions": len(relief)}
     return {
+        "after_notification": later,
+        "relief_actions": len(relief),
         "count": len(times),
         "p50": round(statistics.median(times), 2),
         "p99": round(times[math.ceil(0.99 * len(times)) - 1], 2),
@@ -895,12 +906,19 @@ def markdown(summaries: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         served_g, served_n = sum(s["served"] for s in g), sum(s["served"] for s in n)
         ratio = served_g / served_n if served_n else float("nan")
         times = sorted(t for s in g for t in s["reaction_ms"].get("values", []))
+        later = sorted(t for s in g for t in s["reaction_ms"].get("after_notification", []))
+        relief = sum(s["reaction_ms"].get("relief_actions", 0) for s in g)
         react = (
             f"reaction (notification -> first relief action) over {len(times)} notifications: "
             f"median {statistics.median(times):.2f} ms, p99 "
             f"{times[math.ceil(0.99 * len(times)) - 1]:.2f} ms, max {times[-1]:.2f} ms"
             if times
-            else "no notification led to a relief action"
+            else "no notification's own sample led to a relief action"
+        )
+        react += (
+            f"; of {relief} relief actions, {len(times)} came from a notification's own "
+            f"sample and {len(later)} from a fast sample within 2 s after one"
+            + (f" ({later[len(later) // 2]:.0f} ms after it, median)" if later else "")
         )
         verdicts.append(
             f"- **{scenario}**: OOM kills (ours + neighbour) with the guard {kills_g}, without "

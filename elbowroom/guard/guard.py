@@ -59,6 +59,7 @@ log = logging.getLogger("elbowroom.guard")
 # reaction time. Resuming, re-opening and lowering a runner's level are not reactions.
 _RELIEF = (PauseLoads, CloseAdmission, Unload, Abort)
 REACTIONS_KEPT = 1000  # reaction times kept for /api/guard's percentiles
+LINGER = 2.0  # a relief action this soon after a notification is reported against it
 
 
 def own_oom_score_adj(path: str = "/proc/self/oom_score_adj") -> int:
@@ -108,6 +109,9 @@ class GuardEvent:
     # seconds from the kernel's notification (the watch's wake-up) to this action, for the
     # first relief action a notification led to; None for every other action
     reaction: float | None = None
+    # for a relief action a later sample took (not the notification's own): seconds since
+    # the last notification, when that was within LINGER s; None otherwise
+    after_notification: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -120,6 +124,7 @@ class GuardEvent:
             "model": self.model,
             "message": self.message,
             "reaction": self.reaction,
+            "after_notification": self.after_notification,
         }
 
 
@@ -189,6 +194,7 @@ class PressureGuard:
         # times: notification -> first relief action applied, seconds
         self._event_lock = threading.Lock()
         self._event_at: float | None = None
+        self._last_event = -math.inf  # the latest notification, answered or not
         self.reactions: deque[float] = deque(maxlen=REACTIONS_KEPT)
         self.reactions_total = 0
         self.reaction_sum = 0.0
@@ -228,6 +234,7 @@ class PressureGuard:
         """The watch's thread: the kernel said memory is getting short at ``at``
         (time.monotonic()); the first relief action after it is timed from there."""
         with self._event_lock:
+            self._last_event = at
             if self._event_at is None:
                 self._event_at = at
 
@@ -312,12 +319,16 @@ class PressureGuard:
         self._prev = level
         event_at = self._take_event(sample)
         for action in actions:
-            reaction = None
-            if event_at is not None and isinstance(action, _RELIEF):
-                reaction = time.monotonic() - event_at
-                self._record_reaction(reaction)
-                event_at = None
-            self._apply(action, sample, reading, reaction)
+            reaction = after = None
+            if isinstance(action, _RELIEF):
+                now = time.monotonic()
+                if event_at is not None:
+                    reaction = now - event_at
+                    self._record_reaction(reaction)
+                    event_at = None
+                elif now - self._last_event < LINGER:
+                    after = now - self._last_event
+            self._apply(action, sample, reading, reaction, after)
         self._order_kills(models)
         self._arm(sample)
         return actions
@@ -418,7 +429,12 @@ class PressureGuard:
         return sum(p.bytes for p in self._unloading.values())
 
     def _apply(
-        self, action: Action, sample: Sample, reading: Reading, reaction: float | None = None
+        self,
+        action: Action,
+        sample: Sample,
+        reading: Reading,
+        reaction: float | None = None,
+        after: float | None = None,
     ) -> None:
         kind = _KINDS[type(action)]
         model: str | None = None
@@ -464,6 +480,7 @@ class PressureGuard:
                 message,
                 model,
                 reaction,
+                after,
             )
         )
 
