@@ -193,3 +193,25 @@ def test_a_re_armed_threshold_wakes_a_sample_where_the_fixed_ones_would_not(
     finally:
         member.kill()
         member.wait()
+
+
+def test_a_limited_cgroup_v2_is_watched_through_memory_events(tmp_path: Path) -> None:
+    """A recorded v2 tree (the project's machine is v1): the binding cgroup's memory.events
+    is opened for POLLPRI, and re-read to re-arm when it fires."""
+    (tmp_path / "cgroup.controllers").write_text("memory\n")
+    leaf = tmp_path / "svc"
+    leaf.mkdir()
+    (leaf / "memory.max").write_text(f"{512 * MiB}\n")
+    (leaf / "memory.current").write_text(f"{100 * MiB}\n")
+    (leaf / "memory.stat").write_text("inactive_file 0\n")
+    (leaf / "memory.events").write_text("low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\n")
+    membership = tmp_path / "self-cgroup"
+    membership.write_text("0::/svc\n")
+    found = open_sources(tmp_path, membership, psi_file=tmp_path / "no-psi")
+    try:
+        events = [s for s in found if s.name.endswith("memory.events")]
+        assert len(events) == 1 and events[0].reread
+        events[0].drain()  # reading again is how a kernfs notification is re-armed
+    finally:
+        for s in found:
+            s.close()
