@@ -95,8 +95,14 @@ def test_a_crossing_wakes_the_guard_before_the_monitor_s_next_tick(
         "1024",
         "--preload",
         LLM,
-        # the trend (pressure_horizon) off: the threshold, not a projection, is under test
-        env={"ELBOWROOM_MONITOR_INTERVAL": "60", "ELBOWROOM_PRESSURE_HORIZON": "0"},
+        # the trend (pressure_horizon) and PSI levels off: the threshold, not a projection
+        # or the machine's other tenants, is under test
+        env={
+            "ELBOWROOM_MONITOR_INTERVAL": "60",
+            "ELBOWROOM_PRESSURE_HORIZON": "0",
+            "ELBOWROOM_PSI_SOFT": "100",
+            "ELBOWROOM_PSI_HARD": "100",
+        },
         prefix=cgroup.command(),
     )
     neighbour: Neighbour | None = None
