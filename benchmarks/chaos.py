@@ -972,7 +972,11 @@ def markdown(summaries: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"rests), and each LLM runner's RAM prompt cache (every chat request is a distinct "
             f"~{PROMPT_WORDS}-word prompt; the cache fills toward its grant). "
             f"{meta['clients']} client threads (openai client, no retries, honouring "
-            "Retry-After) sent chat to both LLMs, transcriptions, speech and embeddings.",
+            "Retry-After) sent chat to both LLMs, transcriptions, speech and embeddings. "
+            "The **fast** scenario differs: `--ctx 2048`, its own neighbour (320 MiB/s to "
+            "896 MiB, three bursts, rests and holds from the seed: the patterns below), "
+            "~1,000-token prompts (900 words) streamed to both LLMs and embeddings (no audio), "
+            "a client timeout of 90 s (30 s in the others).",
             "",
             "Scenarios: **protected** — the neighbour stands for the rest of the machine, "
             "which the kernel may not kill (the server and its runners run with "
