@@ -2,9 +2,9 @@
 seeds with the pressure guard and with ``--no-memory-guard``, side by side in one run.
 
     sudo .venv/bin/python benchmarks/chaos.py [--seeds 1,2,3] [--duration 90] [--quick]
-        [--scenarios protected,plain]
+        [--scenarios protected,plain,fast] [--logs DIR]
 
-Two scenarios (each seed runs in both, each in both modes):
+Three scenarios (each seed runs in each, each in both modes):
 
 - ``protected``: the neighbour stands for the rest of the machine (the user's desktop,
   a database), which the kernel must not kill: the server starts with ``oom_score_adj``
@@ -16,6 +16,9 @@ Two scenarios (each seed runs in both, each in both modes):
   they took with them.
 - ``plain``: an ordinary neighbour; the kernel kills the largest process, which is the
   neighbour. The metric: how often elbowroom's memory made the kernel kill someone else.
+- ``fast`` (issue 23): protected's server score, a neighbour growing 320 MiB/s to 896 MiB
+  three times in the run, two LLMs at ``--ctx 2048`` streaming ~1,000-token prompts and
+  embeddings beside them (``SCENARIOS``).
 
 Per seed and mode, `elbowroom serve` runs inside its own memory cgroup (a real limit: the
 kernel OOM-kills past it) with two things that grow after the scheduler admitted its loads:
