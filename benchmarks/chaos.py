@@ -2,9 +2,9 @@
 seeds with the pressure guard and with ``--no-memory-guard``, side by side in one run.
 
     sudo .venv/bin/python benchmarks/chaos.py [--seeds 1,2,3] [--duration 90] [--quick]
-        [--scenarios protected,plain]
+        [--scenarios protected,plain,fast] [--logs DIR]
 
-Two scenarios (each seed runs in both, each in both modes):
+Three scenarios (each seed runs in each, each in both modes):
 
 - ``protected``: the neighbour stands for the rest of the machine (the user's desktop,
   a database), which the kernel must not kill: the server starts with ``oom_score_adj``
@@ -16,6 +16,9 @@ Two scenarios (each seed runs in both, each in both modes):
   they took with them.
 - ``plain``: an ordinary neighbour; the kernel kills the largest process, which is the
   neighbour. The metric: how often elbowroom's memory made the kernel kill someone else.
+- ``fast`` (issue 23): protected's server score, a neighbour growing 320 MiB/s to 896 MiB
+  three times in the run, two LLMs at ``--ctx 2048`` streaming ~1,000-token prompts and
+  embeddings beside them (``SCENARIOS``).
 
 Per seed and mode, `elbowroom serve` runs inside its own memory cgroup (a real limit: the
 kernel OOM-kills past it) with two things that grow after the scheduler admitted its loads:
@@ -79,6 +82,47 @@ MIX = [
 ]
 CTX = 1024  # per slot; a prompt of PROMPT_WORDS common words is ~650 tokens
 PROMPT_WORDS = 600
+# The fast neighbour: two LLMs streaming ~1,000-token prompts at ctx 2048 and embeddings
+# beside them (no audio: the LLMs' prefills are what grows)
+FAST_MIX = [
+    ("chat", "smollm2-135m", 3),
+    ("chat", "gemma3-270m", 2),
+    ("embeddings", "minilm-l6-v2", 2),
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """What differs between scenarios: the server's score, the load, the neighbour."""
+
+    name: str
+    adj: int | None  # the server's oom_score_adj (its runners inherit it, then go above)
+    ctx: int = CTX
+    prompt_words: int = PROMPT_WORDS
+    mix: tuple[tuple[str, str, int], ...] = tuple(MIX)
+    stream: bool = False
+    # a fixed neighbour (rate MiB/s, ceiling MiB, bursts) instead of the seed's random one
+    fixed: tuple[int, int, int] | None = None
+    timeout: float = 30.0  # the client's, per request (a stream: per read)
+
+
+SCENARIOS = {
+    "protected": Scenario("protected", 1000),
+    "plain": Scenario("plain", None),
+    # issue 23: 1.25 GiB, a neighbour growing 320 MiB/s to 896 MiB three times in 75 s, the
+    # server at oom_score_adj 1000, two LLMs at ctx 2048 streaming ~1,000-token prompts
+    "fast": Scenario(
+        "fast",
+        1000,
+        ctx=2048,
+        prompt_words=900,
+        mix=tuple(FAST_MIX),
+        stream=True,
+        fixed=(320, 896, 3),
+        timeout=90.0,  # ~1,000-token prefills on a shared 2-core machine
+    ),
+}
+KEEP_LOGS: Path | None = None  # --logs: where each run's server log is copied
 _LISTENING = re.compile(r"elbowroom listening on (http://\S+)")
 _LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*?(elbowroom\.\w+): (.*)$")
 
@@ -233,6 +277,22 @@ def neighbour_pattern(
     return bursts
 
 
+def fixed_pattern(
+    rng: random.Random, duration: float, rate: int, ceiling: int, bursts: int
+) -> list[Burst]:
+    """``bursts`` bursts at ``rate`` MiB/s to ``ceiling`` MiB within ``duration``: the rests
+    and holds drawn from the seed, scaled so that all of them fit."""
+    grow = ceiling / rate
+    rests = [rng.uniform(4, 12) for _ in range(bursts)]
+    holds = [rng.uniform(4, 8) for _ in range(bursts)]
+    room = duration - bursts * grow - 1.0
+    scale = min(1.0, room / (sum(rests) + sum(holds)))
+    return [
+        Burst(round(r * scale, 1), rate, ceiling, round(h * scale, 1))
+        for r, h in zip(rests, holds, strict=True)
+    ]
+
+
 class Neighbour:
     """The neighbour process; restarted when the kernel OOM-kills it (as a real
     neighbour's supervisor would), each death recorded."""
@@ -341,26 +401,44 @@ _WORDS_TEXT = (
 WORDS = _WORDS_TEXT.split()
 
 
-def long_prompt(rng: random.Random) -> str:
+def long_prompt(rng: random.Random, words: int = PROMPT_WORDS) -> str:
     """A distinct long prompt: no two share a prefix, so each becomes its own entry in the
     runner's RAM prompt cache when its slot is reused."""
-    return "Summarize these notes in one line: " + " ".join(
-        rng.choice(WORDS) for _ in range(PROMPT_WORDS)
-    )
+    return "Summarize these notes in one line: " + " ".join(rng.choice(WORDS) for _ in range(words))
 
 
 def client(
-    url: str, wav: bytes, rng: random.Random, stop_at: float, start: float, out: list[Result]
+    url: str,
+    wav: bytes,
+    rng: random.Random,
+    stop_at: float,
+    start: float,
+    out: list[Result],
+    scenario: Scenario = SCENARIOS["plain"],
 ) -> None:
-    api = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
-    weights = [w for *_, w in MIX]
+    api = openai.OpenAI(
+        base_url=url + "/v1", api_key="unused", max_retries=0, timeout=scenario.timeout
+    )
+    mix = list(scenario.mix)
+    weights = [w for *_, w in mix]
     while time.monotonic() < stop_at:
-        endpoint, model, _ = rng.choices(MIX, weights)[0]
-        prompt = long_prompt(rng)  # drawn for every request: the sequence stays the same
+        endpoint, model, _ = rng.choices(mix, weights)[0]
+        # drawn for every request: the sequence stays the same
+        prompt = long_prompt(rng, scenario.prompt_words)
         t0 = time.monotonic()
         status, error, message, retry_after = 200, "", "", 0.0
         try:
-            if endpoint == "chat":
+            if endpoint == "chat" and scenario.stream:
+                stream = api.chat.completions.create(
+                    model=model,
+                    max_tokens=rng.randint(8, 32),
+                    temperature=0.7,
+                    messages=[{"role": "user", "content": prompt}],
+                    stream=True,
+                )
+                for _chunk in stream:  # a mid-stream error event raises APIError here
+                    pass
+            elif endpoint == "chat":
                 api.chat.completions.create(
                     model=model,
                     max_tokens=rng.randint(8, 32),
@@ -383,8 +461,15 @@ def client(
             message = str(body.get("message") or "")[:200]
             with contextlib.suppress(ValueError):
                 retry_after = float(exc.response.headers.get("retry-after", 0))
-        except openai.APIError as exc:  # connection refused / reset, timeout
+        except openai.APIError as exc:  # connection refused / reset, timeout, stream error
             status, error = 0, type(exc).__name__
+            body = getattr(exc, "body", None)
+            if isinstance(body, dict):  # an error event mid-stream: its type and message
+                body = body["error"] if isinstance(body.get("error"), dict) else body
+                error = f"{body.get('type') or '?'}/{body.get('code') or '-'}"
+                message = str(body.get("message") or "")[:200]
+                if body.get("type") == "memory_pressure":
+                    status = 503
         out.append(
             Result(t0 - start, time.monotonic() - start, endpoint, model, status, error, message)
         )
@@ -426,6 +511,7 @@ class Run:
     server_exit: int | None = None
     server_died: bool = False
     watch: dict[str, Any] | None = None  # the guard's pressure watch: sources, wakeups
+    reaction: dict[str, Any] | None = None  # the guard's reaction times (ms percentiles)
 
 
 @dataclass(frozen=True, slots=True)
@@ -442,21 +528,24 @@ class Setup:
 def run(seed: int, mode: str, scenario: str, home: Path, setup: Setup, wav: bytes) -> Run:
     cg = Cgroup(f"elbowroom-chaos-{os.getpid()}-{scenario}-{seed}-{mode}", setup.limit)
     rng = random.Random(seed)
-    pattern = neighbour_pattern(
-        random.Random(rng.random()), setup.duration, setup.limit // MiB, setup.ceiling, setup.rate
+    sc = SCENARIOS[scenario]
+    prng = random.Random(rng.random())
+    pattern = (
+        fixed_pattern(prng, setup.duration, *sc.fixed)
+        if sc.fixed is not None
+        else neighbour_pattern(prng, setup.duration, setup.limit // MiB, setup.ceiling, setup.rate)
     )
     out = Run(seed, mode, scenario, setup.limit, setup.duration, pattern)
     stop = threading.Event()
     threads: list[threading.Thread] = []
     server: Server | None = None
     try:
-        args = ["--ctx", str(CTX)] + (["--no-memory-guard"] if mode == "no-guard" else [])
+        args = ["--ctx", str(sc.ctx)] + (["--no-memory-guard"] if mode == "no-guard" else [])
         env = {
             "ELBOWROOM_MONITOR_INTERVAL": str(setup.monitor_interval),
             "ELBOWROOM_KV_RAM_MAX": str(setup.kv_ram_max),
         }
-        adj = 1000 if scenario == "protected" else None
-        server = Server(home, args, cg, f"{scenario}-{seed}-{mode}", env, adj)
+        server = Server(home, args, cg, f"{scenario}-{seed}-{mode}", env, sc.adj)
         wall0 = time.time()
         start = time.monotonic()
         stop_at = start + setup.duration
@@ -478,13 +567,13 @@ def run(seed: int, mode: str, scenario: str, home: Path, setup: Setup, wav: byte
             crng = random.Random(rng.random())
             threads.append(
                 threading.Thread(
-                    target=client, args=(server.url, wav, crng, stop_at, start, out.results)
+                    target=client, args=(server.url, wav, crng, stop_at, start, out.results, sc)
                 )
             )
         for t in threads:
             t.start()
         for t in threads[1:]:
-            t.join(timeout=setup.duration + 45)  # a request times out after 30 s
+            t.join(timeout=setup.duration + sc.timeout + 15)  # a request times out
         stop.set()
         threads[0].join(timeout=10)
         out.server_died = server.proc.poll() is not None
@@ -511,10 +600,14 @@ def run(seed: int, mode: str, scenario: str, home: Path, setup: Setup, wav: byte
                     if e["wall"] >= wall0
                 ]
                 out.watch = guard.get("watch")
+                out.reaction = guard.get("reaction")
         out.oom_kills = cg.oom_kills
         out.failcnt = cg.failcnt
         out.server_exit = server.stop()
         out.log_events = parse_log(server.log(), wall0)
+        if KEEP_LOGS is not None:  # for a reader who wants the server's own account
+            KEEP_LOGS.mkdir(parents=True, exist_ok=True)
+            (KEEP_LOGS / server.log_path.name).write_text(server.log())
     finally:
         stop.set()
         if server is not None:
@@ -629,6 +722,33 @@ def summarize(r: Run) -> dict[str, Any]:
         "served_by_endpoint": _count(x.endpoint for x in served),
         "neighbour_peak_mib": max((n for _, n in r.neighbour), default=0),
         "watch": r.watch,
+        "reaction_ms": reaction_ms(r),
+    }
+
+
+def reaction_ms(r: Run) -> dict[str, Any]:
+    """The kernel's notification -> the guard's first relief action, per notification the
+    run kept in /api/guard's events (count, median, p99 by nearest rank, max, ms)."""
+    times = sorted(e["reaction"] * 1000 for e in r.events if e.get("reaction") is not None)
+    # relief a later (fast) sample took within 2 s of a notification: ms after it
+    later = sorted(
+        round(e["after_notification"] * 1000, 1)
+        for e in r.events
+        if e.get("after_notification") is not None
+    )
+    relief = [
+        e for e in r.events if e["kind"] in ("pause_loads", "close_admission", "unload", "abort")
+    ]
+    if not times:
+        return {"count": 0, "after_notification": later, "relief_actions": len(relief)}
+    return {
+        "after_notification": later,
+        "relief_actions": len(relief),
+        "count": len(times),
+        "p50": round(statistics.median(times), 2),
+        "p99": round(times[math.ceil(0.99 * len(times)) - 1], 2),
+        "max": round(times[-1], 2),
+        "values": [round(t, 2) for t in times],
     }
 
 
@@ -727,6 +847,14 @@ COLUMNS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("p50 / p95 s", lambda s: f"{s['p50_s']} / {s['p95_s']}"),
     ("peak / limit", lambda s: f"{s['peak_fraction']:.0%}"),
     ("soft / hard s", lambda s: f"{s['level_seconds']['soft']} / {s['level_seconds']['hard']}"),
+    (
+        "reaction p50 / p99 ms (n)",
+        lambda s: (
+            f"{s['reaction_ms']['p50']} / {s['reaction_ms']['p99']} ({s['reaction_ms']['count']})"
+            if s["reaction_ms"].get("count")
+            else "-"
+        ),
+    ),
 ]
 TOTALS = [
     "oom_kills",
@@ -767,6 +895,38 @@ def markdown(summaries: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"| {scenario} | {mode} | "
             + " | ".join(str(sum(s[k] for s in rows)) for k in TOTALS)
             + " |"
+        )
+    verdicts = []
+    for scenario in dict.fromkeys(s["scenario"] for s in summaries):
+        g = [s for s in summaries if s["scenario"] == scenario and s["mode"] == "guard"]
+        n = [s for s in summaries if s["scenario"] == scenario and s["mode"] == "no-guard"]
+        if not g or not n:
+            continue
+        kills_g = sum(s["ours_killed"] + s["neighbour_deaths"] for s in g)
+        lost_g = sum(s["lost_to_kills"] for s in g)
+        kills_n = sum(s["ours_killed"] + s["neighbour_deaths"] for s in n)
+        lost_n = sum(s["lost_to_kills"] for s in n)
+        served_g, served_n = sum(s["served"] for s in g), sum(s["served"] for s in n)
+        ratio = served_g / served_n if served_n else float("nan")
+        times = sorted(t for s in g for t in s["reaction_ms"].get("values", []))
+        later = sorted(t for s in g for t in s["reaction_ms"].get("after_notification", []))
+        relief = sum(s["reaction_ms"].get("relief_actions", 0) for s in g)
+        react = (
+            f"reaction (notification -> first relief action) over {len(times)} notifications: "
+            f"median {statistics.median(times):.2f} ms, p99 "
+            f"{times[math.ceil(0.99 * len(times)) - 1]:.2f} ms, max {times[-1]:.2f} ms"
+            if times
+            else "no notification's own sample led to a relief action"
+        )
+        react += (
+            f"; of {relief} relief actions, {len(times)} came from a notification's own "
+            f"sample and {len(later)} from a fast sample within 2 s after one"
+            + (f" ({later[len(later) // 2]:.0f} ms after it, median)" if later else "")
+        )
+        verdicts.append(
+            f"- **{scenario}**: OOM kills (ours + neighbour) with the guard {kills_g}, without "
+            f"{kills_n}; requests lost to kills with {lost_g}, without {lost_n}; served with "
+            f"the guard {served_g} vs {served_n} without = **{ratio:.2f}**; {react}"
         )
     detail = [
         f"- {s['scenario']} seed {s['seed']} **{s['mode']}**: runner deaths "
@@ -815,7 +975,11 @@ def markdown(summaries: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"rests), and each LLM runner's RAM prompt cache (every chat request is a distinct "
             f"~{PROMPT_WORDS}-word prompt; the cache fills toward its grant). "
             f"{meta['clients']} client threads (openai client, no retries, honouring "
-            "Retry-After) sent chat to both LLMs, transcriptions, speech and embeddings.",
+            "Retry-After) sent chat to both LLMs, transcriptions, speech and embeddings. "
+            "The **fast** scenario differs: `--ctx 2048`, its own neighbour (320 MiB/s to "
+            "896 MiB, three bursts, rests and holds from the seed: the patterns below), "
+            "~1,000-token prompts (900 words) streamed to both LLMs and embeddings (no audio), "
+            "a client timeout of 90 s (30 s in the others).",
             "",
             "Scenarios: **protected** — the neighbour stands for the rest of the machine, "
             "which the kernel may not kill (the server and its runners run with "
@@ -823,13 +987,23 @@ def markdown(summaries: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             "of ours, a runner with its requests or the server: "
             "*ours killed* and *lost to kills* are what the guard is there to keep at 0. "
             "**plain** — an ordinary neighbour, the largest process, so the kernel kills it: "
-            "*neighbour killed* counts how often our memory cost someone else their process.",
+            "*neighbour killed* counts how often our memory cost someone else their process. "
+            "**fast** (issue 23) — a neighbour growing 320 MiB/s to 896 MiB three times in "
+            "the run, the server at `oom_score_adj` 1000 (so its runners cannot be ordered "
+            "below it: every one of ours is at 1000), two LLMs at `--ctx 2048` streaming "
+            "~1,000-token prompts (900 words) and embeddings beside them.",
             "",
             *lines,
             "",
             "Totals over the seeds:",
             "",
             *totals,
+            "",
+            "With the guard against without, per scenario (the targets of issue 23: 0 OOM "
+            "kills and 0 requests lost with the guard where the run without has some, served "
+            "with ≥ 0.60 of served without; reaction p99 ≤ 20 ms):",
+            "",
+            *verdicts,
             "",
             "Columns: *OOM kills* the cgroup's `memory.oom_control` oom_kill counter; *ours "
             "killed* our runners the kernel SIGKILLed (plus the server, if it died); *lost to "
@@ -887,12 +1061,15 @@ def main() -> int:
     p.add_argument("--modes", default="guard,no-guard")
     p.add_argument(
         "--scenarios",
-        default="protected,plain",
-        help="protected: the kernel may not kill the neighbour; plain: it may",
+        default="protected,plain,fast",
+        help="protected: the kernel may not kill the neighbour; plain: it may; fast: issue 23",
     )
     p.add_argument("--quick", action="store_true", help="one seed, 30 s per mode (a smoke run)")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--logs", type=Path, default=None, help="copy each run's server log here")
     args = p.parse_args()
+    global KEEP_LOGS
+    KEEP_LOGS = args.logs
     if not v1_available():
         print(
             "chaos.py needs root and a cgroup v1 memory hierarchy at /sys/fs/cgroup/memory",

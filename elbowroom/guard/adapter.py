@@ -9,6 +9,7 @@ that restarts (a new object) starts from normal and is told the current level ag
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import weakref
 
@@ -22,11 +23,14 @@ from elbowroom.scheduler.loop import Scheduler
 # its end. Past this the guard stops counting its bytes as being freed.
 EVICT_TIMEOUT = 30.0
 
+log = logging.getLogger("elbowroom.guard")
+
 
 class SchedulerTarget:
     def __init__(self, scheduler: Scheduler) -> None:
         self._scheduler = scheduler
         self._levels: weakref.WeakKeyDictionary[Runner, Pressure] = weakref.WeakKeyDictionary()
+        self._adj: weakref.WeakKeyDictionary[Runner, int] = weakref.WeakKeyDictionary()
 
     def models(self) -> list[LoadedModel]:
         out = []
@@ -67,6 +71,22 @@ class SchedulerTarget:
         if runner is not None:
             runner.set_pressure(int(level))
             self._levels[runner] = level
+
+    def set_oom_score_adj(self, model: str, adj: int) -> None:
+        """Write the runner process's ``oom_score_adj`` (raising needs no privilege; a value
+        below where it started is refused by the kernel and left as it is)."""
+        runner = self._scheduler.runner(model)
+        pid = runner.pid if runner is not None else None
+        if runner is None or not pid or self._adj.get(runner) == adj:
+            return
+        try:
+            with open(f"/proc/{pid}/oom_score_adj", "w") as f:
+                f.write(str(adj))
+        except OSError as exc:  # exited meanwhile, or a value we may not set
+            log.debug("oom_score_adj %d for %s (pid %s) not set: %s", adj, model, pid, exc)
+            return
+        self._adj[runner] = adj
+        log.debug("runner %s (pid %s): oom_score_adj %d", model, pid, adj)
 
     def pause_loads(self, paused: bool) -> None:
         self._scheduler.pause_loads(paused)

@@ -18,6 +18,7 @@ import contextlib
 import functools
 import logging
 import math
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from elbowroom.errors import MemoryPressure
+from elbowroom.guard.arming import arm_points
 from elbowroom.guard.gpu import gpu_readings
 from elbowroom.guard.ladder import (
     Abort,
@@ -43,14 +45,35 @@ from elbowroom.guard.ladder import (
     next_gate,
     plan,
 )
+from elbowroom.guard.oomorder import kill_order
 from elbowroom.guard.trend import Point, projected
-from elbowroom.guard.watch import PressureWatch, open_sources
+from elbowroom.guard.watch import PressureWatch, open_sources, v1_cgroup
 from elbowroom.memory.budget import BudgetConfig
 from elbowroom.memory.monitor import Sample
 from elbowroom.memory.types import Pressure
 from elbowroom.units import format_size
 
 log = logging.getLogger("elbowroom.guard")
+
+# Actions that relieve memory (or stop it growing): what "the guard reacted" means for the
+# reaction time. Resuming, re-opening and lowering a runner's level are not reactions.
+_RELIEF = (PauseLoads, CloseAdmission, Unload, Abort)
+REACTIONS_KEPT = 1000  # reaction times kept for /api/guard's percentiles
+LINGER = 2.0  # a relief action this soon after a notification is reported against it
+
+
+def own_oom_score_adj(path: str = "/proc/self/oom_score_adj") -> int:
+    """This process's ``oom_score_adj`` (0 where it cannot be read): the kill order's base."""
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return 0
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest rank."""
+    return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
 
 
 class Target(Protocol):
@@ -83,6 +106,12 @@ class GuardEvent:
     limit: int
     message: str
     model: str | None = None
+    # seconds from the kernel's notification (the watch's wake-up) to this action, for the
+    # first relief action a notification led to; None for every other action
+    reaction: float | None = None
+    # for a relief action a later sample took (not the notification's own): seconds since
+    # the last notification, when that was within LINGER s; None otherwise
+    after_notification: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -94,6 +123,8 @@ class GuardEvent:
             "limit": self.limit,
             "model": self.model,
             "message": self.message,
+            "reaction": self.reaction,
+            "after_notification": self.after_notification,
         }
 
 
@@ -159,6 +190,18 @@ class PressureGuard:
         self._wake = asyncio.Event()
         self._worker: asyncio.Task[None] | None = None
         self.watch: PressureWatch | None = None
+        # The kernel's notification not yet answered (time.monotonic()), and the reaction
+        # times: notification -> first relief action applied, seconds
+        self._event_lock = threading.Lock()
+        self._event_at: float | None = None
+        self._last_event = -math.inf  # the latest notification, answered or not
+        self.reactions: deque[float] = deque(maxlen=REACTIONS_KEPT)
+        self.reactions_total = 0
+        self.reaction_sum = 0.0
+        # The kill order: the server's own oom_score_adj is the base its runners go above
+        self._oom_base = own_oom_score_adj()
+        self._oom_order: dict[str, int] = {}
+        self._oom_warned = False
 
     # --- lifetime --------------------------------------------------------------------
 
@@ -176,10 +219,24 @@ class PressureGuard:
         through ``on_sample``."""
         if self.watch is None:
             self.watch = PressureWatch(
-                sample, self._level, open_sources(), fast_interval=max(0.02, fast_interval)
+                sample,
+                self._level,
+                open_sources(),
+                fast_interval=max(0.02, fast_interval),
+                on_event=self.note_event,
+                cgroup_v1=v1_cgroup(),
+                prime=True,  # a first sample: the thresholds are armed from the start
             )
             self.watch.start()
         return self.watch
+
+    def note_event(self, at: float) -> None:
+        """The watch's thread: the kernel said memory is getting short at ``at``
+        (time.monotonic()); the first relief action after it is timed from there."""
+        with self._event_lock:
+            self._last_event = at
+            if self._event_at is None:
+                self._event_at = at
 
     def _level(self) -> Pressure:
         """The highest pool's level at the last applied sample (host and GPUs), or the
@@ -260,9 +317,64 @@ class PressureGuard:
         self._gpu_levels = {g.name: g.level.label for g in gpus}
         self._gate = next_gate(self._gate, self._level_now, actions)
         self._prev = level
+        event_at = self._take_event(sample)
         for action in actions:
-            self._apply(action, sample, reading)
+            reaction = after = None
+            if isinstance(action, _RELIEF):
+                now = time.monotonic()
+                if event_at is not None:
+                    reaction = now - event_at
+                    self._record_reaction(reaction)
+                    event_at = None
+                elif now - self._last_event < LINGER:
+                    after = now - self._last_event
+            self._apply(action, sample, reading, reaction, after)
+        self._order_kills(models)
+        self._arm(sample)
         return actions
+
+    def _take_event(self, sample: Sample) -> float | None:
+        """The pending notification this sample answers: one the sample was measured after
+        (a sample taken before it cannot have seen the crossing)."""
+        with self._event_lock:
+            at = self._event_at
+            taken = sample.snapshot.taken_at
+            if at is None or (taken and taken < at):
+                return None
+            self._event_at = None
+            return at
+
+    def _record_reaction(self, seconds: float) -> None:
+        self.reactions.append(seconds)
+        self.reactions_total += 1
+        self.reaction_sum += seconds
+
+    def _arm(self, sample: Sample) -> None:
+        """Re-arm the kernel's usage thresholds where this sample would turn soft and hard."""
+        if self.watch is None or self._budget is None:
+            return
+        snap = sample.snapshot
+        if snap.cgroup_version != 1:
+            return
+        self.watch.arm(arm_points(snap, sample.own_usage, self._budget))
+
+    def _order_kills(self, models: list[LoadedModel]) -> None:
+        """Each runner's oom_score_adj follows the eviction order (``oomorder``)."""
+        write = getattr(self._target, "set_oom_score_adj", None)
+        if write is None:
+            return
+        order = kill_order(models, self._oom_base)
+        if order and self._oom_base >= 999 and not self._oom_warned:
+            self._oom_warned = True
+            log.warning(
+                "pressure guard: the server runs at oom_score_adj %d: no room above it to "
+                "order its runners for the OOM killer (it picks the largest)",
+                self._oom_base,
+            )
+        for model, adj in order.items():
+            if self._oom_order.get(model) != adj:
+                write(model, adj)
+        self._oom_order = order
 
     def _projected(self, sample: Sample) -> tuple[Pressure, str | None]:
         """The sample's host level, raised to soft when others' memory grows fast enough to
@@ -316,7 +428,14 @@ class PressureGuard:
                 del self._unloading[model]
         return sum(p.bytes for p in self._unloading.values())
 
-    def _apply(self, action: Action, sample: Sample, reading: Reading) -> None:
+    def _apply(
+        self,
+        action: Action,
+        sample: Sample,
+        reading: Reading,
+        reaction: float | None = None,
+        after: float | None = None,
+    ) -> None:
         kind = _KINDS[type(action)]
         model: str | None = None
         level = self._level_now.label  # the sample's, raised by the trend or a GPU pool
@@ -360,6 +479,8 @@ class PressureGuard:
                 reading.limit,
                 message,
                 model,
+                reaction,
+                after,
             )
         )
 
@@ -405,6 +526,19 @@ class PressureGuard:
             details=details,
         )
 
+    def reaction_stats(self) -> dict[str, Any]:
+        """Kernel notification -> first relief action: count and percentiles (ms) of the
+        last ``REACTIONS_KEPT``, totals since start."""
+        kept = sorted(self.reactions)
+        ms = (lambda q: round(_percentile(kept, q) * 1000, 2)) if kept else (lambda q: None)
+        return {
+            "count": self.reactions_total,
+            "sum_s": self.reaction_sum,
+            "p50_ms": ms(0.5),
+            "p99_ms": ms(0.99),
+            "max_ms": round(kept[-1] * 1000, 2) if kept else None,
+        }
+
     def aborting(self) -> dict[str, str]:
         return dict(self._aborting)
 
@@ -430,10 +564,15 @@ class PressureGuard:
                     "sources": self.watch.sources,
                     "wakeups": self.watch.wakeups,
                     "fast_samples": self.watch.fast_samples,
+                    "armed": self.watch.armed,
+                    "rearms": self.watch.rearms,
                 }
                 if self.watch is not None
                 else None
             ),
+            "reaction": self.reaction_stats(),
+            "oom_order": dict(self._oom_order) if self.enabled else {},
+            "oom_base": self._oom_base,
             "counters": [
                 {"action": k, "reason": r, "count": n}
                 for (k, r), n in sorted(self.counters.items())

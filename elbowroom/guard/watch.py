@@ -8,8 +8,16 @@ samples, and the kernel kills before the guard has looked. This thread asks for 
 - cgroup v1: ``memory.usage_in_bytes`` thresholds through ``cgroup.event_control`` (an
   eventfd signalled when usage crosses each of ``THRESHOLDS`` × the cgroup's limit, both
   ways) and ``memory.pressure_level`` at ``medium`` (the cgroup is reclaiming hard);
-- PSI triggers (Linux ≥ 5.2): ``some 100 ms in 1 s`` written to the binding cgroup v2's
-  ``memory.pressure``, else ``/proc/pressure/memory``; the kernel raises POLLPRI.
+- cgroup v1, re-armed as the budget moves: a usage threshold at the cgroup usage where the
+  guard's picture turns soft and one where it turns hard (``arm``: the guard computes them
+  after every sample it applies, ``guard.arm_points``), so the crossing that matters wakes
+  the guard, not only the nearest fixed fraction;
+- cgroup v2: the binding cgroup's ``memory.events`` (the kernel flags the file when a
+  ``high``, ``max`` or ``oom`` event is counted; POLLPRI);
+- PSI triggers (Linux ≥ 5.2): the shortest window the kernel takes from us, ``some 50 ms in
+  500 ms`` (privileged), else ``some 100 ms in 1 s``, else ``some 150 ms in 2 s``
+  (unprivileged triggers need a window that is a multiple of 2 s), written to the binding
+  cgroup v2's ``memory.pressure``, else ``/proc/pressure/memory``; the kernel raises POLLPRI.
 
 And while the last sample was soft or hard (or an event came within ``linger`` seconds)
 it samples every ``fast_interval``: under pressure the next 0.9 s are what matter. A
@@ -45,10 +53,14 @@ log = logging.getLogger("elbowroom.guard")
 # goes from comfortable (80 %) to the OOM killer's edge; dense near the top, where each
 # step is a fraction of a second at a fast neighbour's pace.
 THRESHOLDS = (0.80, 0.85, 0.90, 0.93, 0.95, 0.97, 0.99)
-# "some" stall of 100 ms within a 1 s window: memory is short enough that tasks wait.
-PSI_TRIGGER = "some 100000 1000000"
-# Unprivileged processes may only use windows that are multiples of 2 s (Linux ≥ 6.5).
-PSI_TRIGGER_UNPRIVILEGED = "some 150000 2000000"
+# "some" stall of 10 % of the window: memory is short enough that tasks wait. The kernel's
+# shortest window is 500 ms; unprivileged processes may only use multiples of 2 s (Linux
+# ≥ 6.5), so each is tried in turn and the first the kernel takes is kept.
+PSI_TRIGGERS = ("some 50000 500000", "some 100000 1000000", "some 150000 2000000")
+PSI_TRIGGER = PSI_TRIGGERS[1]
+PSI_TRIGGER_UNPRIVILEGED = PSI_TRIGGERS[2]
+# A re-armed threshold that moved less than this keeps its old registration.
+REARM_STEP = 4 * 1024 * 1024
 # The most of one core the extra samples may take (memory is short; CPU may be too).
 COST_SHARE = 0.1
 
@@ -61,11 +73,16 @@ class Source:
     fd: int
     events: int
     keep: tuple[int, ...] = ()
+    reread: bool = False  # a kernfs file (v2 memory.events): read it again to re-arm
 
     def drain(self) -> None:
         if self.events & select.POLLIN:  # an eventfd: reset its counter
             with contextlib.suppress(OSError):
                 os.read(self.fd, 8)
+        elif self.reread:
+            with contextlib.suppress(OSError):
+                os.lseek(self.fd, 0, os.SEEK_SET)
+                os.read(self.fd, 4096)
 
     def close(self) -> None:
         for fd in (self.fd, *self.keep):
@@ -89,8 +106,38 @@ def _v1_event(cg: Path, file: str, arg: str, name: str) -> Source | None:
     return Source(name, efd, select.POLLIN, (target,))
 
 
+def _v2_events(cg: Path) -> Source | None:
+    """The cgroup v2 ``memory.events`` file: kernfs flags it (POLLPRI) when a counter moves."""
+    try:
+        fd = os.open(cg / "memory.events", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        log.debug("pressure watch: %s/memory.events not available: %s", cg, exc)
+        return None
+    with contextlib.suppress(OSError):
+        os.read(fd, 4096)  # a read arms the notification
+    return Source(f"cgroup {cg.name or '/'} memory.events", fd, select.POLLPRI, reread=True)
+
+
+def v1_cgroup(
+    cgroup_root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")
+) -> Path | None:
+    """The binding cgroup v1 memory cgroup's directory (None: no limited v1 cgroup)."""
+    try:
+        reading = read_cgroup(membership.read_text(), cgroup_root)
+    except OSError:
+        return None
+    if reading is None or reading.version != 1 or reading.limit is None:
+        return None
+    return reading.path
+
+
+def arm_threshold(cg: Path, at: int, name: str) -> Source | None:
+    """One cgroup v1 usage threshold at ``at`` bytes (fires on crossing, both ways)."""
+    return _v1_event(cg, "memory.usage_in_bytes", str(max(1, at)), name)
+
+
 def _psi(path: Path) -> Source | None:
-    for trigger in (PSI_TRIGGER, PSI_TRIGGER_UNPRIVILEGED):
+    for trigger in PSI_TRIGGERS:
         try:
             fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as exc:
@@ -133,6 +180,10 @@ def open_sources(
             )
             if src is not None:
                 sources.append(src)
+    if reading is not None and reading.version == 2 and reading.limit is not None:
+        src = _v2_events(reading.path)
+        if src is not None:
+            sources.append(src)
     if reading is not None and reading.pressure_file is not None:
         src = _psi(reading.pressure_file)
         if src is not None:
@@ -157,7 +208,19 @@ class PressureWatch:
         fast_interval: float = 0.1,
         linger: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        on_event: Callable[[float], None] | None = None,
+        cgroup_v1: Path | None = None,
+        prime: bool = False,
     ) -> None:
+        self._prime = prime  # take one sample at the start (the guard arms from it)
+        self._on_event = on_event  # called with the poll's return time before the sample
+        self._cgroup = cgroup_v1  # where ``arm`` registers its thresholds
+        self._want: tuple[int, ...] = ()  # thresholds asked for (bytes of cgroup usage)
+        self._armed: dict[int, Source] = {}  # thresholds registered, by their byte value
+        self._arm_lock = threading.Lock()
+        self._dirty = False  # ``_want`` changed since the thread last registered it
+        self.rearms = 0  # times the armed thresholds changed
+        self._fired_at: dict[int, float] = {}  # fd -> when it last fired
         self._sample = sample  # called with record=: whether the monitor keeps it in history
         self._level = level
         self._sources = sources
@@ -176,6 +239,53 @@ class PressureWatch:
     @property
     def sources(self) -> list[str]:
         return [s.name for s in self._sources]
+
+    @property
+    def armed(self) -> list[int]:
+        """The re-armed cgroup v1 thresholds registered now (bytes of cgroup usage)."""
+        with self._arm_lock:
+            return sorted(self._armed)
+
+    def arm(self, points: tuple[int, ...]) -> None:
+        """Ask for usage thresholds at ``points`` (any thread); the watch thread registers
+        them, replacing those that moved more than ``REARM_STEP``. No-op without v1."""
+        if self._cgroup is None:
+            return
+        with self._arm_lock:
+            if _close_enough(points, self._want):
+                return
+            self._want = points
+            self._dirty = True
+        self.nudge()
+
+    def _rearm(self, poller: select.poll, by_fd: dict[int, Source]) -> None:
+        """In the watch thread: make the registered thresholds those asked for."""
+        assert self._cgroup is not None
+        with self._arm_lock:
+            want = self._want
+            keep = {
+                at: src
+                for at, src in self._armed.items()
+                if any(abs(at - w) < REARM_STEP for w in want)
+            }
+            for at, old in self._armed.items():
+                if at not in keep:
+                    poller.unregister(old.fd)
+                    by_fd.pop(old.fd, None)
+                    self._fired_at.pop(old.fd, None)
+                    old.close()  # closing the eventfd unregisters it in the kernel
+            for w in want:
+                if any(abs(at - w) < REARM_STEP for at in keep):
+                    continue
+                new = arm_threshold(self._cgroup, w, f"re-armed threshold {w}")
+                if new is None:
+                    continue
+                keep[w] = new
+                by_fd[new.fd] = new
+                poller.register(new.fd, new.events)
+            if keep.keys() != self._armed.keys():
+                self.rearms += 1
+            self._armed = keep
 
     def start(self) -> None:
         if self._thread is None:
@@ -203,6 +313,10 @@ class PressureWatch:
         for s in self._sources:
             s.close()
         self._sources = []
+        with self._arm_lock:
+            for src in self._armed.values():
+                src.close()
+            self._armed = {}
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -222,7 +336,15 @@ class PressureWatch:
         for s in self._sources:
             poller.register(s.fd, s.events)
         poller.register(self._wake_r, select.POLLIN)
+        if self._prime:
+            try:
+                self._sample(False)
+            except Exception:
+                log.exception("pressure watch: a sample failed")
         while not self._stopping:
+            if self._dirty:
+                self._dirty = False
+                self._rearm(poller, by_fd)
             timeout = int(self.interval * 1000) if self._pressing() else None
             ready = poller.poll(timeout)
             if any(fd == self._wake_r for fd, _ in ready):
@@ -247,11 +369,17 @@ class PressureWatch:
             if fired:
                 self._last_event = now
                 log.debug("pressure watch: %s", ", ".join(s.name for s in fired))
+                if self._on_event is not None:
+                    self._on_event(time.monotonic())
             elif ready:
                 continue
             # Usage hovering at a threshold fires on every crossing: one sample per half
-            # interval is enough (the fast ticks that follow catch the rest).
-            if now - self._last_sample < self.interval / 2:
+            # interval is enough (the fast ticks that follow catch the rest). A source that
+            # had not fired within the interval is a new crossing: it samples at once.
+            new = [s for s in fired if now - self._fired_at.get(s.fd, -1e18) >= self.interval]
+            for src in fired:
+                self._fired_at[src.fd] = now
+            if not new and now - self._last_sample < self.interval / 2:
                 continue
             self._last_sample = now
             if fired:
@@ -265,3 +393,7 @@ class PressureWatch:
                 log.exception("pressure watch: a sample failed")
             took = time.monotonic() - started
             self._cost = took if self._cost == 0.0 else 0.7 * self._cost + 0.3 * took
+
+
+def _close_enough(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    return len(a) == len(b) and all(abs(x - y) < REARM_STEP for x, y in zip(a, b, strict=True))

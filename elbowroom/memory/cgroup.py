@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-__all__ = ["CgroupReading", "read_cgroup", "read_text"]
+__all__ = ["CgroupReading", "oom_kill_count", "read_cgroup", "read_text"]
 
 # cgroup v1 writes "no limit" as PAGE_COUNTER_MAX × page size (9223372036854771712 on
 # x86-64); anything this large is not a real limit on any machine that exists.
@@ -169,3 +169,34 @@ def read_cgroup(membership: str, cgroup_root: Path) -> CgroupReading | None:
     if limited:
         return min(limited, key=lambda r: (r.limit or 0, r.headroom or 0))
     return readings[0]
+
+
+def oom_kill_count(
+    membership: Path = Path("/proc/self/cgroup"), cgroup_root: Path = Path("/sys/fs/cgroup")
+) -> int | None:
+    """How many processes the kernel's OOM killer took in our memory cgroup (the leaf:
+    where our runners live): v1 ``memory.oom_control``'s ``oom_kill``, v2
+    ``memory.events``' ``oom_kill``; None where neither can be read."""
+    try:
+        paths = _membership(membership.read_text())
+    except OSError:
+        return None
+    places: list[tuple[Path, str, str]] = []
+    if 1 in paths:
+        places.append((cgroup_root / "memory", paths[1], "memory.oom_control"))
+    if 2 in paths:
+        v2 = (
+            cgroup_root
+            if (cgroup_root / "cgroup.controllers").exists()
+            else cgroup_root / "unified"
+        )
+        places.append((v2, paths[2], "memory.events"))
+    for mount, path, name in places:
+        leaf = _locate(mount, path)
+        text = read_text(leaf / name) if leaf is not None else None
+        if text is None:
+            continue
+        value = _stat_value(text, "oom_kill")
+        if "oom_kill" in text:
+            return value
+    return None

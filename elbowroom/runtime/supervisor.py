@@ -32,6 +32,7 @@ from elbowroom.config import Settings
 from elbowroom.engines.options import EngineOptions
 from elbowroom.engines.requests import Payload
 from elbowroom.errors import ElbowroomError, RunnerCrashed, Unavailable
+from elbowroom.memory.cgroup import oom_kill_count
 from elbowroom.memory.process import measure_tree
 from elbowroom.memory.types import ZERO_PROCESS_MEMORY, ProcessMemory
 from elbowroom.models.spec import ModelSpec
@@ -76,8 +77,19 @@ def _plain_text(delta: dict[str, Any]) -> bool:
     return isinstance(delta.get("text"), str) and delta.keys() <= {"type", "text"}
 
 
-def describe_exit(exitcode: int | None) -> str:
-    """'exit code 1', 'killed by signal SIGKILL', ... (multiprocessing: -N means signal N)."""
+OOM_KILLED = "killed by the kernel's OOM killer"
+
+
+def describe_exit(
+    exitcode: int | None, oom_kills: tuple[int | None, int | None] = (None, None)
+) -> str:
+    """'exit code 1', 'killed by signal SIGKILL', ... (multiprocessing: -N means signal N).
+    ``oom_kills``: the cgroup's OOM-kill counter when the runner started and after it
+    exited; a SIGKILL while it went up is the OOM killer's."""
+    before, after = oom_kills
+    killed = exitcode == -signal.SIGKILL
+    if killed and before is not None and after is not None and after > before:
+        return f"{OOM_KILLED} (SIGKILL, the cgroup's oom_kill counter {before} -> {after})"
     if exitcode is None:
         return "unknown exit"
     if exitcode < 0:
@@ -121,6 +133,8 @@ class Supervisor(RunnerStatus):
         self._spawn = spawn
         self._clock = clock
         self._proc: BaseProcess | None = None
+        self._oom_before: int | None = None  # the cgroup's OOM-kill counter at its start
+        self._sent_kill = False
         self._conn: Connection | None = None
         self._reader: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -167,6 +181,7 @@ class Supervisor(RunnerStatus):
         finally:
             child.close()  # only the child holds its end now: its death means EOF here
         self._proc, self._conn = proc, parent
+        self._oom_before = oom_kill_count()
         self._reader = threading.Thread(
             target=self._read, args=(parent, proc), name=f"runner-{self.spec.id}", daemon=True
         )
@@ -251,6 +266,7 @@ class Supervisor(RunnerStatus):
         if self._proc is None or self._exited.is_set():
             return  # gone already (and its Process object closed)
         if sig is signal.SIGKILL:
+            self._sent_kill = True
             self._proc.kill()
         else:
             self._proc.terminate()
@@ -367,7 +383,9 @@ class Supervisor(RunnerStatus):
         except (EOFError, OSError):
             pass
         proc.join()  # reap: no zombie; the pipe is closed, so the process is exiting
-        self._post(self._exited_now, describe_exit(proc.exitcode))
+        # A SIGKILL we sent is ours, whatever the counter says
+        after = None if self._sent_kill else oom_kill_count()
+        self._post(self._exited_now, describe_exit(proc.exitcode, (self._oom_before, after)))
 
     def _post(self, fn: Callable[..., None], *args: Any) -> None:
         assert self._loop is not None

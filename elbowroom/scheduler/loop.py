@@ -56,6 +56,7 @@ def _counters() -> dict[str, int]:
         "evictions_pressure",
         "crashes",
         "restarts",
+        "oom_kills",
         "refusals_503",
         "refusals_507",
     )

@@ -56,6 +56,7 @@ class Lane:
     backoff_until: float = 0.0  # clock seconds
     last_cause: str | None = None
     restarts: int = 0  # loads that followed a crash
+    oom_kills: int = 0  # its runners the kernel's OOM killer took
     load_task: asyncio.Task[Loaded] | None = None
     mean_seconds: float = 1.0  # moving average of request durations, for Retry-After
     waiting_by: dict[str, int] = field(default_factory=dict)  # waiting requests per client

@@ -67,6 +67,8 @@ def describe(rec: Loaded, lane: Lane | None, now: float) -> dict[str, Any]:
         "expires_at": iso(expires),
         "load_seconds": ready.load_seconds if ready is not None else None,
         "restarts": lane.restarts if lane is not None else 0,
+        "oom_kills": lane.oom_kills if lane is not None else 0,
+        "last_exit": lane.last_cause if lane is not None else None,
         # Where its layers are: "100% GPU", "35%/65% CPU/GPU", ... (None: not an LLM or no
         # placement was made, e.g. no GPU).
         "processor": rec.placement.split if rec.placement is not None else None,

@@ -32,6 +32,7 @@ from elbowroom.memory.monitor import Monitor, Sample
 from elbowroom.memory.types import Probe, ProcessMemory, Snapshot
 from elbowroom.models.spec import Holding, ModelSpec
 from elbowroom.runtime.protocol import Runner, RunnerFactory
+from elbowroom.runtime.supervisor import OOM_KILLED
 from elbowroom.scheduler import offload_plan, policy, vision_gate
 from elbowroom.scheduler.events import EventLog
 from elbowroom.scheduler.inputs import Estimator, Measurements
@@ -430,7 +431,13 @@ class Residency:
         lane = self._lanes.lane(rec.spec.id)
         self._lanes.note_crash(lane, cause)
         self.counters["crashes"] += 1
-        self.events.add("crash", rec.spec.id, f"runner of {rec.spec.id} exited: {cause}")
+        oom = cause.startswith(OOM_KILLED)
+        if oom:
+            self.counters["oom_kills"] += 1
+            lane.oom_kills += 1
+        self.events.add(
+            "oom_kill" if oom else "crash", rec.spec.id, f"runner of {rec.spec.id} exited: {cause}"
+        )
         log.warning(
             "runner of %s (pid %s) exited: %s; %d in flight fail; restart %s",
             rec.spec.id,

@@ -33,6 +33,7 @@ from prometheus_client.metrics_core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     Metric,
+    SummaryMetricFamily,
 )
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -242,6 +243,10 @@ class StateCollector(Collector):
             "unloads": ("elbowroom_model_unloads", "Models unloaded, for any reason"),
             "crashes": ("elbowroom_runner_crashes", "Runner processes that died on their own"),
             "restarts": ("elbowroom_runner_restarts", "Loads that followed a crash"),
+            "oom_kills": (
+                "elbowroom_runner_oom_kills",
+                "Runner processes the kernel's OOM killer took (SIGKILL + the cgroup counter)",
+            ),
         }
         for key, (name, doc) in simple.items():
             if key in c:
@@ -282,6 +287,14 @@ class StateCollector(Collector):
                 aborts.add_metric([row["reason"]], row["count"])
         yield actions
         yield aborts
+        reaction = g.get("reaction")
+        if reaction:
+            yield SummaryMetricFamily(
+                "elbowroom_guard_reaction_seconds",
+                "The kernel's memory notification to the guard's first relief action",
+                count_value=reaction["count"],
+                sum_value=reaction["sum_s"],
+            )
 
 
 def _get(d: Mapping[str, Any], *keys: str) -> Any:

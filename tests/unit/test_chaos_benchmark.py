@@ -41,3 +41,14 @@ def test_level_seconds_count_each_sample_until_the_next() -> None:
         {"t": 2.0, "level": "normal"},
     ]
     assert level_seconds(history) == {"soft": 1.0, "hard": 0.5}
+
+
+def test_the_fast_neighbour_grows_its_bursts_within_the_duration() -> None:
+    from chaos import SCENARIOS, fixed_pattern
+
+    rate, ceiling, bursts = SCENARIOS["fast"].fixed or (0, 0, 0)
+    assert (rate, ceiling, bursts) == (320, 896, 3)
+    a = fixed_pattern(random.Random(1), 75, rate, ceiling, bursts)
+    assert a == fixed_pattern(random.Random(1), 75, rate, ceiling, bursts)
+    assert len(a) == 3 and all(b.rate == 320 and b.ceiling == 896 for b in a)
+    assert sum(b.rest_s + b.ceiling / b.rate + b.hold_s for b in a) <= 75

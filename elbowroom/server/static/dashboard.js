@@ -8,10 +8,10 @@ const SVG = "http://www.w3.org/2000/svg";
 const COLORS = {
   usage: "#3b5bdb", limit: "#1d2330", soft: "#c77700", hard: "#c53030",
   load: "#2f855a", unload: "#6b7280", evict: "#c77700", abort: "#c53030",
-  crash: "#c53030", load_failed: "#c53030", refused_503: "#e03131", refused_507: "#9c36b5",
+  crash: "#c53030", oom_kill: "#7f1d1d", load_failed: "#c53030", refused_503: "#e03131", refused_507: "#9c36b5",
   refusing: "#c53030", admitting: "#2f855a", pause_loads: "#c77700", resume_loads: "#2f855a",
 };
-const MARKED = new Set(["load", "unload", "evict", "abort", "crash", "load_failed",
+const MARKED = new Set(["load", "unload", "evict", "abort", "crash", "oom_kill", "load_failed",
   "refused_503", "refused_507"]);
 
 const state = { timeline: [], last: 0, data: null, key: sessionStorage.getItem("elbowroom-key") };

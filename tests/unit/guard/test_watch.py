@@ -137,3 +137,81 @@ def test_slow_samples_slow_the_fast_pace_to_a_tenth_of_a_core() -> None:
     assert watch.interval >= 0.4  # ~50 ms / 0.1, not the 20 ms asked for
     gaps = [b - a for a, b in itertools.pairwise(took[1:])]
     assert min(gaps) >= 0.3
+
+
+def test_a_re_armed_threshold_wakes_a_sample_where_the_fixed_ones_would_not(
+    cgroup: Cgroup,
+) -> None:
+    """No fixed fraction, only the threshold ``arm`` asked for (the guard's soft point):
+    crossing it wakes a sample with the time of the wake-up; moving it re-registers."""
+    member = subprocess.Popen(
+        cgroup.command(sys.executable, "-c", NEIGHBOUR),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    assert member.stdin is not None and member.stdout is not None
+
+    def grow(mib: int) -> None:
+        assert member.stdin is not None and member.stdout is not None
+        member.stdin.write(f"+{mib}\n".encode())
+        member.stdin.flush()
+        assert member.stdout.readline().startswith(b"ok")
+
+    try:
+        grow(0)  # it is in the cgroup now
+        calls = Calls()
+        events: list[float] = []
+        watch = PressureWatch(
+            calls,
+            lambda: Pressure.NORMAL,
+            [],
+            fast_interval=0.05,
+            linger=0.0,
+            on_event=events.append,
+            cgroup_v1=cgroup.path,
+        )
+        watch.start()
+        try:
+            base = cgroup.usage
+            first = base + 64 * MiB
+            watch.arm((first,))
+            wait_until(lambda: watch.armed == [first], 5, "the threshold registered")
+            watch.arm((first + MiB,))  # moved less than REARM_STEP: kept as it is
+            watch.arm((base + 40 * MiB,))  # moved: re-registered
+            wait_until(lambda: watch.armed == [base + 40 * MiB], 5, "the threshold moved")
+            assert watch.rearms == 2
+            grow(20)  # under the threshold: nothing
+            time.sleep(0.3)  # a window in which a wrong wake-up would show
+            assert calls.count() == 0 and events == []
+            t0 = time.monotonic()
+            grow(32)
+            wait_until(lambda: calls.count(True) >= 1, 5, "a sample woken by the threshold")
+            assert len(events) >= 1 and events[0] >= t0
+        finally:
+            watch.stop()
+        assert watch.armed == []
+    finally:
+        member.kill()
+        member.wait()
+
+
+def test_a_limited_cgroup_v2_is_watched_through_memory_events(tmp_path: Path) -> None:
+    """A recorded v2 tree (the project's machine is v1): the binding cgroup's memory.events
+    is opened for POLLPRI, and re-read to re-arm when it fires."""
+    (tmp_path / "cgroup.controllers").write_text("memory\n")
+    leaf = tmp_path / "svc"
+    leaf.mkdir()
+    (leaf / "memory.max").write_text(f"{512 * MiB}\n")
+    (leaf / "memory.current").write_text(f"{100 * MiB}\n")
+    (leaf / "memory.stat").write_text("inactive_file 0\n")
+    (leaf / "memory.events").write_text("low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\n")
+    membership = tmp_path / "self-cgroup"
+    membership.write_text("0::/svc\n")
+    found = open_sources(tmp_path, membership, psi_file=tmp_path / "no-psi")
+    try:
+        events = [s for s in found if s.name.endswith("memory.events")]
+        assert len(events) == 1 and events[0].reread
+        events[0].drain()  # reading again is how a kernfs notification is re-armed
+    finally:
+        for s in found:
+            s.close()

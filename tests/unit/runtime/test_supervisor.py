@@ -395,6 +395,14 @@ def test_describe_exit_names_codes_and_signals() -> None:
     assert describe_exit(None) == "unknown exit"
 
 
+def test_a_sigkill_while_the_cgroup_counted_an_oom_kill_is_the_oom_killer_s() -> None:
+    oom = describe_exit(-9, (2, 3))
+    assert oom.startswith("killed by the kernel's OOM killer") and "2 -> 3" in oom
+    assert describe_exit(-9, (3, 3)) == "killed by signal SIGKILL"  # someone's kill -9
+    assert describe_exit(-9, (None, None)) == "killed by signal SIGKILL"  # no counter here
+    assert describe_exit(1, (2, 3)) == "exit code 1"  # died some other way meanwhile
+
+
 def test_request_before_start_is_unavailable(run: Callable[[Awaitable[Any]], Any]) -> None:
     sup = Supervisor(bundled_spec(SMOLLM2), Exits(), settings=SETTINGS)
     with pytest.raises(Unavailable) as err:

@@ -1,0 +1,273 @@
+"""The kernel wakes the guard; the kernel's victim is the one the guard would have chosen.
+
+`elbowroom serve` runs inside a real cgroup v1 memory cgroup (named with this test's pid)
+with a real limit, and a neighbour process in the same cgroup allocates real memory:
+
+- with ``monitor_interval`` at 60 s, so the monitor's next tick is far away, a neighbour
+  crossing the usage threshold the guard armed at its soft point gets an answer at once:
+  the guard's relief action carries the time from the kernel's notification;
+- each runner's ``oom_score_adj`` follows the eviction order (the idle least recently used
+  model most killable, a busy one least, all above the server);
+- a runner the kernel's OOM killer takes is reported as that: the log, /metrics and the
+  model's /api/elbowroom/ps row once it is back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from cgroup_v1 import NEIGHBOUR, Cgroup, v1_available
+from serverproc import ServerProcess, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.cgroup]
+
+MiB = 1024**2
+LLM = "smollm2-135m"
+EMBED = "minilm-l6-v2"
+LIMIT = 1536 * MiB
+
+
+@pytest.fixture
+def cgroup(request: pytest.FixtureRequest) -> Iterator[Cgroup]:
+    if not v1_available():
+        pytest.skip("needs root and a cgroup v1 memory hierarchy at /sys/fs/cgroup/memory")
+    try:
+        cg = Cgroup(f"elbowroom-events-{os.getpid()}-{request.node.name[:40]}", LIMIT)
+    except OSError as exc:
+        pytest.skip(f"cannot create a memory cgroup: {exc}")
+    try:
+        yield cg
+    finally:
+        cg.remove()
+
+
+class Neighbour:
+    """A process in the cgroup that holds what it is told to (``+N`` MiB, ``-`` all)."""
+
+    def __init__(self, cg: Cgroup, adj: int | None = None) -> None:
+        self.proc = subprocess.Popen(
+            cg.command(sys.executable, "-c", NEIGHBOUR),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+        )
+        self.send("+0")  # it is in the cgroup once it answers
+
+    def send(self, line: str) -> bytes:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(line.encode() + b"\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
+def ready(http: httpx.Client) -> dict[str, dict[str, Any]]:
+    rows = http.get("/api/elbowroom/ps").json()["models"]
+    return {m["id"]: m for m in rows if m["state"] == "ready"}
+
+
+def adj(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/oom_score_adj").read_text())
+
+
+def test_a_crossing_wakes_the_guard_before_the_monitor_s_next_tick(
+    cgroup: Cgroup, tmp_path: Path
+) -> None:
+    server = ServerProcess(
+        tmp_path,
+        "--ctx",
+        "1024",
+        "--preload",
+        LLM,
+        # the trend (pressure_horizon) and PSI levels off: the threshold, not a projection
+        # or the machine's other tenants, is under test
+        env={
+            "ELBOWROOM_MONITOR_INTERVAL": "60",
+            "ELBOWROOM_PRESSURE_HORIZON": "0",
+            "ELBOWROOM_PSI_SOFT": "100",
+            "ELBOWROOM_PSI_HARD": "100",
+        },
+        prefix=cgroup.command(),
+    )
+    neighbour: Neighbour | None = None
+    try:
+        http = httpx.Client(base_url=server.start().url, timeout=30)
+        wait_for(lambda: LLM in ready(http), timeout=180, what=f"{LLM} to load")
+        guard = http.get("/api/guard").json()
+        assert "cgroup usage 80%" in guard["watch"]["sources"]
+        # The samples since the start were the monitor's first tick (and any the load's own
+        # threshold crossings woke); the thresholds are armed at that sample's soft and hard
+        # points. Re-read them after one more kernel wake-up so they include the model.
+        neighbour = Neighbour(cgroup)
+        usage = cgroup.usage
+        armed = guard["watch"]["armed"]
+        assert armed, guard["watch"]
+        soft_point = armed[0]
+        assert usage < soft_point < LIMIT
+        # Up to 48 MiB short of the soft point: no relief yet (a level not reached).
+        short = (soft_point - usage) // MiB - 48
+        if short > 0:
+            assert neighbour.send(f"+{short}").startswith(b"ok")
+        time.sleep(0.5)  # a window in which a wrong relief would show
+        assert not [e for e in http.get("/api/guard?events=1000").json()["events"] if e["reaction"]]
+        sample_at = http.get("/api/guard").json()["sample_at"]
+        crossed = time.monotonic()
+        assert neighbour.send("+80").startswith(b"ok")  # across the soft point
+
+        def reacted() -> list[dict[str, Any]]:
+            events = http.get("/api/guard?events=1000").json()["events"]
+            return [e for e in events if e["reaction"] is not None]
+
+        timed = wait_for(reacted, timeout=20, what="a relief action woken by the kernel")
+        answered = time.monotonic() - crossed
+        # The monitor ticks every 60 s; the answer came from the notification, long before.
+        assert answered < 20
+        first = timed[0]
+        assert first["kind"] in ("pause_loads", "close_admission", "unload", "abort")
+        assert first["reaction"] < answered
+        state = http.get("/api/guard").json()
+        assert state["watch"]["wakeups"] >= 1 and state["reaction"]["count"] >= 1
+        assert state["sample_at"] > sample_at
+        metrics = http.get("/metrics").text
+        assert "elbowroom_guard_reaction_seconds_count" in metrics
+        wait_for(
+            lambda: LLM not in ready(http), timeout=60, what="the guard to unload the idle LLM"
+        )
+        assert neighbour.send("-").startswith(b"ok 0")
+        assert cgroup.oom_kills == 0
+        assert server.proc is not None and server.proc.poll() is None
+    finally:
+        if neighbour is not None:
+            neighbour.close()
+        server.stop(timeout=30)
+
+
+def test_runners_oom_score_adj_follows_the_eviction_order(cgroup: Cgroup, tmp_path: Path) -> None:
+    server = ServerProcess(
+        tmp_path,
+        "--ctx",
+        "1024",
+        "--preload",
+        LLM,
+        "--preload",
+        EMBED,
+        env={"ELBOWROOM_MONITOR_INTERVAL": "0.2"},
+        prefix=cgroup.command(),
+    )
+    try:
+        url = server.start().url
+        http = httpx.Client(base_url=url, timeout=60)
+        wait_for(lambda: {LLM, EMBED} <= ready(http).keys(), timeout=180, what="both models")
+        assert server.proc is not None
+        base = adj(server.proc.pid)
+        # the embedding model used last: the LLM is the least recently used idle model
+        http.post("/v1/embeddings", json={"model": EMBED, "input": "hi"}).raise_for_status()
+
+        def scores() -> dict[str, int]:
+            return {m: adj(row["pid"]) for m, row in ready(http).items()}
+
+        wait_for(
+            lambda: (s := scores())[LLM] > s[EMBED] > base,
+            timeout=20,
+            what="the LRU idle LLM above the embeddings, both above the server",
+        )
+        assert scores()[LLM] == 1000
+        # A generation on the LLM: busy now, least killable, still above the server.
+        done = threading.Event()
+
+        def generate() -> None:
+            try:
+                httpx.post(
+                    url + "/v1/chat/completions",
+                    json={
+                        "model": LLM,
+                        "messages": [{"role": "user", "content": "Count from 1 to 500."}],
+                        "max_tokens": 400,
+                        "temperature": 0,
+                    },
+                    timeout=120,
+                )
+            finally:
+                done.set()
+
+        worker = threading.Thread(target=generate, daemon=True)
+        worker.start()
+        busy = wait_for(
+            lambda: done.is_set() or (base < (s := scores())[LLM] < s[EMBED]),
+            timeout=30,
+            what="the busy LLM below the idle embeddings",
+        )
+        assert busy is True and not done.is_set(), "the generation ended before it was seen"
+        worker.join(timeout=120)
+        assert http.get("/api/guard").json()["oom_order"].keys() == {LLM, EMBED}
+    finally:
+        server.stop(timeout=30)
+
+
+def test_a_runner_the_oom_killer_takes_is_reported_as_that(cgroup: Cgroup, tmp_path: Path) -> None:
+    """The guard off (nothing frees memory), the neighbour fills the cgroup: the kernel
+    kills the most killable process, the LLM runner (the kill order put it at 1000)."""
+    server = ServerProcess(
+        tmp_path,
+        "--ctx",
+        "1024",
+        "--preload",
+        LLM,
+        env={"ELBOWROOM_MONITOR_INTERVAL": "0.2", "ELBOWROOM_MEMORY_GUARD": "false"},
+        prefix=cgroup.command(),
+    )
+    neighbour: Neighbour | None = None
+    try:
+        http = httpx.Client(base_url=server.start().url, timeout=60)
+        rows = wait_for(lambda: ready(http).get(LLM), timeout=180, what=f"{LLM} to load")
+        # Without the guard nothing orders the kill: make the runner the obvious victim
+        # (raising a score needs no privilege), as the guard's kill order does.
+        Path(f"/proc/{rows['pid']}/oom_score_adj").write_text("1000")
+        neighbour = Neighbour(cgroup)
+        before = cgroup.oom_kills
+        for _ in range(LIMIT // (64 * MiB)):
+            if neighbour.send("+64") == b"" or LLM not in ready(http):
+                break
+        wait_for(lambda: cgroup.oom_kills > before, timeout=30, what="an OOM kill")
+        wait_for(
+            lambda: "killed by the kernel's OOM killer" in server.log(),
+            timeout=30,
+            what="the runner's exit reported as an OOM kill",
+        )
+        metrics = http.get("/metrics").text
+        assert "elbowroom_runner_oom_kills_total 1.0" in metrics, [
+            line for line in metrics.splitlines() if "oom" in line
+        ]
+        neighbour.close()
+        neighbour = None
+        # Back with its history: the row says what took it.
+        # (a restart right after a crash backs off: 503 with Retry-After until then)
+        wait_for(
+            lambda: http.post(f"/api/models/{LLM}/load", timeout=180).status_code == 200,
+            timeout=120,
+            interval=1.0,
+            what=f"{LLM} to load again",
+        )
+        row = ready(http)[LLM]
+        assert row["oom_kills"] == 1
+        assert row["last_exit"].startswith("killed by the kernel's OOM killer")
+    finally:
+        if neighbour is not None:
+            neighbour.close()
+        server.stop(timeout=30)
