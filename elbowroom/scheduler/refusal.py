@@ -3,7 +3,8 @@
 The policy sees the host load ceiling less the server process's own bytes; a host 507
 reports the ceiling itself and what the server holds of it, plus the memory limit and the
 rule it came from, so the body explains itself. A GPU pool's 507 gives that pool's numbers
-alone (the server's host bytes are no part of a GPU's ceiling). ``elbowroom plan`` shows the same suggestions.
+alone (the server's host bytes are no part of a GPU's ceiling). ``elbowroom plan`` shows
+the same suggestions.
 """
 
 from __future__ import annotations
