@@ -41,7 +41,8 @@ from elbowroom.memory.process import measure_pid
 from elbowroom.memory.types import ZERO_PROCESS_MEMORY, ProcessMemory, Snapshot
 from elbowroom.models.spec import ModelSpec
 from elbowroom.runtime.protocol import Runner
-from elbowroom.runtime.supervisor import Supervisor, WorkerTarget, spawn_worker, worker_main
+from elbowroom.runtime.supervisor import Supervisor, WorkerTarget, spawn_worker
+from elbowroom.runtime.worker import worker_main
 from elbowroom.units import parse_size
 
 OVERRIDE_ENV = "ELBOWROOM_OVERRIDE_MEMORY"
