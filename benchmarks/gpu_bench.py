@@ -4,7 +4,9 @@ requests, a forced offload refused with 507, and (two GPUs) a split measured per
 
     python benchmarks/gpu_bench.py synth  DIR [--tiny]        # random-weight models
     python benchmarks/gpu_bench.py vram   OUT MODEL... [--ctx 2048 8192] [--slots 1 8]
-    python benchmarks/gpu_bench.py speed  OUT MODEL [--rounds 5] [--tokens 128]
+    python benchmarks/gpu_bench.py host   OUT MODEL... [--ctx ...] [--slots ...] [--partial 9]
+    python benchmarks/gpu_bench.py report OUT HEADERS_DIR   # host.jsonl against this code
+    python benchmarks/gpu_bench.py speed  OUT MODEL [--rounds 12] [--tokens 128]
     python benchmarks/gpu_bench.py guard  OUT MODEL                # a neighbour takes VRAM
     python benchmarks/gpu_bench.py capped OUT --cap 16GiB MODEL...
     python benchmarks/gpu_bench.py refuse OUT --cap 16GiB MODEL
@@ -263,6 +265,189 @@ def vram(out: Path, models: list[Path], ctxs: list[int], slots_list: list[int]) 
         server.close()
 
 
+# ------------------------------------------------------------------------- host
+
+
+def smaps_breakdown(pid: int) -> dict[str, Any]:
+    """A runner's resident bytes by what is mapped (issue 27): the GGUF, each library, the
+    NVIDIA device files, anonymous memory; with Anonymous and Locked (pinned) bytes each."""
+    groups: dict[str, dict[str, int]] = {}
+    name = "?"
+    try:
+        text = Path(f"/proc/{pid}/smaps").read_text()
+    except OSError:
+        return {}
+    for line in text.splitlines():
+        head = line.split()
+        if head and "-" in head[0] and not head[0].endswith(":"):
+            path = head[5] if len(head) > 5 else ""
+            if path.endswith(".gguf"):
+                name = "gguf"
+            elif path.startswith("/dev/"):
+                name = path
+            elif not path or path.startswith("["):
+                name = path or "[anon]"
+            else:
+                name = Path(path).name
+            continue
+        if len(head) == 3 and head[2] == "kB" and head[0] in ("Rss:", "Anonymous:", "Locked:"):
+            g = groups.setdefault(name, {"rss": 0, "anon": 0, "locked": 0, "maps": 0})
+            key = {"Rss:": "rss", "Anonymous:": "anon", "Locked:": "locked"}[head[0]]
+            g[key] += int(head[1]) * 1024
+            if key == "rss":
+                g["maps"] += 1
+    rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    fields = {
+        ln.split(":")[0]: int(ln.split()[1]) * 1024
+        for ln in rollup.splitlines()[1:]
+        if ln.strip().endswith("kB")
+    }
+    top = sorted(groups.items(), key=lambda kv: -kv[1]["rss"])
+    return {"rollup": fields, "groups": dict(top[:25])}
+
+
+def host(
+    out: Path,
+    models: list[Path],
+    ctxs: list[int],
+    slots_list: list[int],
+    partial: int,
+    only: tuple[str, ...] = ("cpu", "partial", "gpu"),
+) -> None:
+    """Host (and VRAM) bytes of runners on the CPU, partly and fully offloaded, beside the
+    prediction, with the runner's smaps grouped by mapping: what the CUDA build holds."""
+    import httpx
+
+    idle = nvml_used()
+    modes = {"cpu": "0", "partial": str(partial), "gpu": "-1"}
+    for mode in only:
+        layers = modes[mode]
+        for ctx in ctxs:
+            for slots in slots_list:
+                log = out / f"host_{mode}_{ctx}x{slots}.log"
+                # No prompt cache: the footprint alone (the cache is a grant beside it).
+                env = {"ELBOWROOM_GPU_LAYERS": layers, "ELBOWROOM_KV_RAM_MAX": "0"}
+                args = ("--ctx", str(ctx), "--slots", str(slots))
+                server = Server(models, log, env, *args)
+                try:
+                    for path in models:
+                        before = settled(idle)
+                        t = time.time()
+                        r = httpx.post(
+                            server.url + "/v1/completions",
+                            json={
+                                "model": path.stem,
+                                "prompt": PROMPT * 20,
+                                "max_tokens": 16,
+                                "temperature": 0,
+                            },
+                            timeout=600,
+                        )
+                        seconds = time.time() - t
+                        after = nvml_used()
+                        row = next((x for x in ps_rows(server.url) if x["id"] == path.stem), {})
+                        smaps = smaps_breakdown(int(row["pid"])) if row.get("pid") else {}
+                        placement = row.get("placement") or {}
+                        emit(
+                            out,
+                            "host",
+                            {
+                                "model": path.stem,
+                                "mode": mode,
+                                "status": r.status_code,
+                                "ctx": row.get("n_ctx"),
+                                "slots": row.get("slots"),
+                                "processor": row.get("processor"),
+                                "n_gpu_layers": placement.get("n_gpu_layers"),
+                                "predicted_gpu": placement.get("gpu_bytes", {}),
+                                "measured_gpu": {
+                                    f"gpu{i}": a - b
+                                    for i, (a, b) in enumerate(zip(after, before, strict=False))
+                                },
+                                "nvml_runner": row.get("gpu"),
+                                "predicted_host": row.get("predicted"),
+                                "anonymous": row.get("anonymous"),
+                                "file_backed": row.get("file_backed"),
+                                "smaps": smaps,
+                                "seconds": round(seconds, 2),
+                                "error": None if r.status_code == 200 else r.text[:400],
+                            },
+                        )
+                        httpx.post(f"{server.url}/api/models/{path.stem}/unload", timeout=60)
+                finally:
+                    server.close()
+
+
+def report(out: Path, headers: Path) -> list[dict[str, Any]]:
+    """``host.jsonl`` of a run against THIS checkout's predictions, computed from each
+    model's GGUF header (``HEADERS_DIR/NAME.header``, the file's first data-offset bytes,
+    made a sparse file of the recorded size here): host bytes (CPU-only with the CUDA
+    build's terms, or the offload plan's host side) and VRAM, with the rule applied."""
+    from elbowroom.models.accuracy import Accuracy
+    from elbowroom.models.bundled import gguf_llm
+    from elbowroom.models.engine_build import CUDA, EngineBuild
+    from elbowroom.models.estimate import footprint
+    from elbowroom.models.offload import Layout, split_bytes
+
+    sizes = json.loads((headers / "sizes.json").read_text())
+    tmp = Path(tempfile.mkdtemp(prefix="gpu-report-"))
+    specs = {}
+    for name, size in sizes.items():
+        path = tmp / f"{name}.gguf"
+        with path.open("wb") as fh:
+            fh.write((headers / f"{name}.header").read_bytes())
+            fh.truncate(size)
+        specs[name] = gguf_llm(name, path, source="path")
+    build = EngineBuild(CUDA, amx=True)  # the device machine: CUDA source build, AMX Xeon
+    results = []
+    for line in (out / "host.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        spec = specs[r["model"]]
+        ctx, slots = r["ctx"], r["slots"]
+        measured_host = r["anonymous"] + r["file_backed"]
+        if r["mode"] == "cpu":
+            host_pred, gpu_pred = footprint(spec, ctx, slots, build=build).total, 0
+        else:
+            assert spec.gguf is not None
+            b = split_bytes(Layout.from_info(spec.gguf), ctx, slots, "f16", [r["n_gpu_layers"]])
+            host_pred, gpu_pred = b.host, b.gpu[0]
+        what = f"{r['model']} {r['mode']} {ctx}x{slots}"
+        row = {
+            "model": r["model"],
+            "mode": r["mode"],
+            "ctx": ctx,
+            "slots": slots,
+            "host": Accuracy(what + " host", host_pred, measured_host),
+            "gpu": Accuracy(what + " vram", gpu_pred, r["measured_gpu"].get("gpu0", 0))
+            if r["mode"] != "cpu"
+            else None,
+        }
+        results.append(row)
+    print(
+        "| model | where | ctx × slots | host predicted MiB | measured | error "
+        "| VRAM predicted MiB | measured | error |"
+    )
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    for row in results:
+        h, g = row["host"], row["gpu"]
+        vram = (
+            f"{g.predicted / 2**20:.0f} | {g.measured / 2**20:.0f} | {g.error:+.1%}"
+            if g is not None
+            else "0 | 0 | —"
+        )
+        print(
+            f"| {row['model']} | {row['mode']} | {row['ctx']} × {row['slots']} "
+            f"| {h.predicted / 2**20:.0f} | {h.measured / 2**20:.0f} | {h.error:+.1%} | {vram} |"
+        )
+    accs = [a for row in results for a in (row["host"], row["gpu"]) if a is not None]
+    broken = [str(a) for a in accs if not a.ok]
+    off = [str(a) for a in accs if a.ok and not a.on_target]
+    print(f"\n{len(accs)} predictions: {len(broken)} more than 5 % under, {len(off)} over +10 %")
+    for text in broken + off:
+        print("  ", text)
+    return results
+
+
 # ------------------------------------------------------------------------- speed
 
 
@@ -407,6 +592,19 @@ def _noop(_: int) -> None:
     _client()  # made in the worker before the first timed round
 
 
+def bootstrap_ratio(a: list[float], b: list[float], n: int = 4000) -> list[float]:
+    """95 % bootstrap interval of median(a) / median(b), each list resampled with replacement
+    (the rounds of each system are the samples; interleaving pairs them in time only)."""
+    import random
+
+    rng = random.Random(27)
+    ratios = sorted(
+        statistics.median(rng.choices(a, k=len(a))) / statistics.median(rng.choices(b, k=len(b)))
+        for _ in range(n)
+    )
+    return [round(ratios[int(0.025 * n)], 2), round(ratios[int(0.975 * n) - 1], 2)]
+
+
 def speed(out: Path, path: Path, rounds: int, tokens: int, ctx: int = 2048, slots: int = 8) -> None:
     server = Server(
         [path], out / f"speed_{path.stem}.log", {}, "--slots", str(slots), "--ctx", str(ctx)
@@ -441,8 +639,8 @@ def speed(out: Path, path: Path, rounds: int, tokens: int, ctx: int = 2048, slot
         for streams in (1, 8):
             for _, fn in systems:
                 fn(streams, 16)  # warm-up
-            for _ in range(rounds):  # interleaved: drift hits all the same
-                for name, fn in systems:
+            for r in range(rounds):  # interleaved, the order rotated: drift hits all alike
+                for name, fn in systems[r % 3 :] + systems[: r % 3]:
                     runs.setdefault(f"{name}_{streams}", []).append(fn(streams, tokens))
         row: dict[str, Any] = {
             "model": model,
@@ -456,11 +654,14 @@ def speed(out: Path, path: Path, rounds: int, tokens: int, ctx: int = 2048, slot
         }
         for key, vals in runs.items():
             row[key] = [round(v, 1) for v in vals]
+            row[f"{key}_median"] = round(statistics.median(vals), 1)
+            row[f"{key}_range"] = [round(min(vals), 1), round(max(vals), 1)]
         for streams in (1, 8):
-            e, s = runs[f"engine_{streams}"], runs[f"elbowroom_{streams}"]
-            row[f"ratio_{streams}"] = round(statistics.median(s) / statistics.median(e), 3)
-            h = runs[f"engine_http_{streams}"]
-            row[f"ratio_http_{streams}"] = round(statistics.median(s) / statistics.median(h), 3)
+            s_ = runs[f"elbowroom_{streams}"]
+            for base, key in (("engine_http", "ratio_http"), ("engine", "ratio")):
+                b_ = runs[f"{base}_{streams}"]
+                row[f"{key}_{streams}"] = round(statistics.median(s_) / statistics.median(b_), 2)
+                row[f"{key}_{streams}_ci95"] = bootstrap_ratio(s_, b_)
         emit(out, "speed", row)
     finally:
         stack.close()
@@ -721,20 +922,27 @@ def main() -> None:
     ap.add_argument("rest", nargs="*")
     ap.add_argument("--ctx", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--slots", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--cap", default="16GiB")
     ap.add_argument("--order", default="")
     ap.add_argument("--free", default="6,7")
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--partial", type=int, default=9)
+    ap.add_argument("--modes", default="cpu,partial,gpu")
     a = ap.parse_args()
     if a.phase == "synth":
         synth(Path(a.rest[0]), a.tiny)
+        return
+    if a.phase == "report":
+        report(Path(a.rest[0]), Path(a.rest[1]))
         return
     out, models = Path(a.rest[0]), [Path(m) for m in a.rest[1:]]
     out.mkdir(parents=True, exist_ok=True)
     if a.phase == "vram":
         vram(out, models, a.ctx, a.slots)
+    elif a.phase == "host":
+        host(out, models, a.ctx, a.slots, a.partial, tuple(a.modes.split(",")))
     elif a.phase == "speed":
         speed(out, models[0], a.rounds, a.tokens)
     elif a.phase == "guard":

@@ -2,9 +2,13 @@
 
 LLMs (llama.cpp's server engine, xllamacpp, CPU, mmap):
     file_backed = tensor data (the mapped weights) + LLAMA_RUNTIME_FILE
+                  [+ CUDA_CPU_FILE: the CUDA build's libraries]
     anonymous   = LLAMA_RUNTIME_ANON + LLAMA_FIXED_ANON + LLAMA_PER_VOCAB × n_vocab
                   + KV + output (slots × n_vocab × 4) + repacked weights
                   + working                                       (the part use adds)
+                  [+ CUDA_CPU_ANON: the CUDA build]
+    repacked    = the repack types' matrix weights; on an AMX build (engine_build.py) the
+                  AMX types' at AMX_COPY × their size, and the remaining repack types
     KV          = slots × Σ_layers cells × kv_heads × (head_dim_k + head_dim_v) × bytes
                   cells = n_ctx per slot (padded to 256); a sliding-window layer holds
                   min(n_ctx, pad256(window + n_ubatch)) (llama.cpp's iswa cache)
@@ -37,6 +41,7 @@ from typing import TYPE_CHECKING
 from elbowroom.config import KV_TYPES
 from elbowroom.errors import BadRequest
 from elbowroom.memory.types import ProcessMemory
+from elbowroom.models.engine_build import PORTABLE, EngineBuild, engine_build
 from elbowroom.models.spec import Footprint, GGUFInfo, ModelSpec
 from elbowroom.models.vision import extra_footprint
 from elbowroom.units import MiB
@@ -99,6 +104,29 @@ REPACK_TYPES: dict[str, frozenset[str]] = {
 REPACK_TYPES["amd64"] = REPACK_TYPES["x86_64"]
 REPACK_TYPES["arm64"] = REPACK_TYPES["aarch64"]
 HOST_REPACK = REPACK_TYPES.get(platform.machine().lower(), frozenset())
+# A build for an AMX CPU (engine_build.py) copies the weights of these types into its AMX
+# buffer first, at these sizes per byte of the file (ggml-cpu/amx/mmq.cpp get_row_size:
+# q8_0 gains an int32 per 32-value block, q4_K and q5_K 4 bytes per 256, iq4_xs 2); the
+# types it does not take still go to the repack buffer. Measured on the H100 machine's
+# Xeon (issue 27): llama 1 B f16, q8_0, q4_K_M, q5_K_M, qwen2 3 B q4_K_M, SmolLM2 and
+# gemma3 CPU-only on the CUDA build: anonymous within 33-83 MiB above the estimate's
+# other terms plus these copies (the rest is CUDA_CPU_ANON).
+AMX_COPY: dict[str, float] = {
+    "F16": 1.0,
+    "Q4_0": 1.0,
+    "Q4_1": 1.0,
+    "Q8_0": 38 / 34,
+    "Q4_K": 148 / 144,
+    "Q5_K": 180 / 176,
+    "Q6_K": 1.0,
+    "IQ4_XS": 138 / 136,
+}
+# A CPU-only runner of the CUDA build (shown no GPU): the CUDA libraries that loading maps
+# and touches (cuBLASLt 61 MiB, the driver 6 MiB: 64 MiB more file-backed than the CPU
+# wheel's library), and 33-83 MiB more anonymous memory than the CPU wheel's estimate
+# over seven models, 1 and 8 slots, 2,048 and 8,192 tokens (H100 machine, issue 27).
+CUDA_CPU_ANON = 80 * MiB
+CUDA_CPU_FILE = 64 * MiB
 
 # Sliding-window layer patterns llama.cpp applies when the file does not say: in each
 # group of N layers, all but the last use the window (gemma3: 5 local, 1 global).
@@ -227,9 +255,17 @@ def compute_bytes(info: GGUFInfo, n_ctx: int, slots: int) -> int:
     return tokens * (4 * values + MASK_BYTES * masks)
 
 
-def repacked_bytes(info: GGUFInfo, repack: frozenset[str] = HOST_REPACK) -> int:
-    """Weights the CPU backend copies into its repacked buffer (anonymous)."""
-    return sum(size for kind, size in info.matmul_bytes if kind in repack)
+def repacked_bytes(
+    info: GGUFInfo, repack: frozenset[str] = HOST_REPACK, build: EngineBuild = PORTABLE
+) -> int:
+    """Weights the CPU backend copies into its repacked (or AMX) buffer: anonymous."""
+    total = 0
+    for kind, size in info.matmul_bytes:
+        if build.amx and kind in AMX_COPY:
+            total += math.ceil(size * AMX_COPY[kind])
+        elif kind in repack:
+            total += size
+    return total
 
 
 def slot_bytes(info: GGUFInfo, n_ctx: int, kv_type: str) -> int:
@@ -241,12 +277,12 @@ def slot_bytes(info: GGUFInfo, n_ctx: int, kv_type: str) -> int:
 
 
 def _llm_footprint(
-    spec: ModelSpec, info: GGUFInfo, n_ctx: int, slots: int, kv_type: str
+    spec: ModelSpec, info: GGUFInfo, n_ctx: int, slots: int, kv_type: str, build: EngineBuild
 ) -> Footprint:
     vocab = info.n_vocab or DEFAULT_VOCAB
     kv = kv_bytes(info, n_ctx, slots, kv_type)
     compute = compute_bytes(info, n_ctx, slots)
-    repacked = repacked_bytes(info)
+    repacked = repacked_bytes(info, build=build)
     working = compute + slots * slot_bytes(info, n_ctx, kv_type)
     overhead = (
         LLAMA_RUNTIME_ANON
@@ -256,6 +292,10 @@ def _llm_footprint(
         + working
     )
     tensors = info.tensor_bytes or spec.size_bytes
+    runtime_file = LLAMA_RUNTIME_FILE
+    if build.cuda:
+        overhead += CUDA_CPU_ANON
+        runtime_file += CUDA_CPU_FILE
     if spec.projector is not None:
         # The projector's weights and encoder: anonymous; its working part appears with
         # the first image (models/vision.py).
@@ -264,7 +304,7 @@ def _llm_footprint(
         overhead += cost.at_load + cost.working
     return Footprint(
         weights=spec.size_bytes,
-        file_backed=tensors + LLAMA_RUNTIME_FILE,
+        file_backed=tensors + runtime_file,
         anonymous=kv + repacked + overhead,
         kv_bytes_per_token=kv_bytes_per_token(info, kv_type),
         kv_bytes=kv,
@@ -299,8 +339,12 @@ def footprint(
     slots: int = 1,
     kv_type: str = "f16",
     measured: MeasuredStore | ProcessMemory | None = None,
+    build: EngineBuild | None = None,
 ) -> Footprint:
     """Predicted bytes once loaded; a measurement for the same file and settings wins.
+
+    ``build`` is the LLM engine's build (default: the installed one, ``engine_build``): the
+    CUDA build's runner on the CPU and an AMX build's weight copies add host bytes.
 
     ``n_ctx`` is the context of each of the ``slots`` (the engine gets n_ctx × slots).
     ``measured`` is the store to look in, or a measurement already looked up (what the
@@ -310,7 +354,8 @@ def footprint(
         raise BadRequest(f"need n_ctx >= 0 and slots >= 1, got n_ctx={n_ctx} slots={slots}")
     check_kv_type(kv_type)
     if spec.gguf is not None:
-        predicted = _llm_footprint(spec, spec.gguf, n_ctx, slots, kv_type)
+        build = engine_build() if build is None else build
+        predicted = _llm_footprint(spec, spec.gguf, n_ctx, slots, kv_type, build)
     else:
         predicted = _resident_footprint(spec)
     if isinstance(measured, ProcessMemory) or measured is None:

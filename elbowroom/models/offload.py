@@ -7,11 +7,12 @@ units are cut into consecutive runs, the first run on the first device. Each blo
 cache lives with the block. Per GPU in use:
 
     gpu bytes = weights of its units + KV of its blocks × context tokens
-                + CUDA_DEVICE_BASE + activations + mask (+ logits on the output's device)
+                + CUDA_DEVICE_BASE + activations + mask (+ OUTPUT_DEVICE_EXTRA on the
+                output layer's device)
                 (+ one FFN matrix when blocks stay on the CPU: op offload copies it over)
                 (+ SPLIT_FIRST_EXTRA on the first GPU of a split over several)
     activations = 16 × ubatch × (n_ff + n_embd)     mask = 2 × ubatch × n_ctx per slot
-    logits      = 4 × ubatch × n_vocab
+    KV of a sliding-window block: its window's cells per slot, as on the CPU
 
 Fitted on an H200 (CUDA 13.0, xllamacpp 2026.10.11549 built for sm_90, flash attention on,
 n_batch = n_ubatch = 512) with NVML's device memory before and after a load plus one short
@@ -34,12 +35,15 @@ from dataclasses import dataclass
 
 from elbowroom.models.estimate import (
     DEFAULT_VOCAB,
+    KV_PAD,
     LLAMA_FIXED_ANON,
     LLAMA_PER_VOCAB,
     LLAMA_RUNTIME_ANON,
     LLAMA_RUNTIME_FILE,
     LOGIT_BYTES,
+    SWA_DEFAULT_WINDOW,
     check_kv_type,
+    swa_layers,
 )
 from elbowroom.models.spec import GGUFInfo
 from elbowroom.units import MiB
@@ -49,6 +53,11 @@ UBATCH = 512
 # Per GPU in use: CUDA context, cuBLAS workspace and handles, CUDA graphs (591 MiB fitted;
 # ~104 MiB of it appears only at the first generation, so it is measured after one).
 CUDA_DEVICE_BASE = 591 * MiB
+# On the output layer's GPU: 96 MiB more on the H200 machine, where the fit took it for a
+# logits buffer of 4 × ubatch × n_vocab (every model there had 49,152 tokens). On an H100
+# (issue 27) a 262,144-token vocabulary (gemma3) added no more than a 49,152-token one
+# did (the 4 × ubatch × n_vocab term over-predicted it by 416 MiB, +60 %), so it is flat.
+OUTPUT_DEVICE_EXTRA = 96 * MiB
 ACTIVATION_BYTES = 16  # × ubatch × (n_ff + n_embd)
 MASK_BYTES = 2  # f16 KQ mask: × ubatch × context per slot
 # Host side of a CUDA runner: the CUDA libraries' mapped pages and their host allocations.
@@ -74,6 +83,19 @@ class Layout:
     n_vocab: int
     n_embd: int
     n_ff: int
+    # The output layer's own mapped bytes (0 when it is a copy of the tied embeddings,
+    # whose pages are the input layer's): a partial offload leaves them resident.
+    output_file: int = 0
+    # Sliding-window blocks (gemma3: 5 of every 6) keep only ``window_cells`` per slot.
+    swa: tuple[bool, ...] = ()
+    window: int = 0
+
+    def cells(self, block: int, n_ctx: int) -> int:
+        """KV cells per slot of ``block`` at ``n_ctx`` per slot (as the CPU estimate)."""
+        full = -(-n_ctx // KV_PAD) * KV_PAD if n_ctx > 0 else 0
+        if self.swa and self.swa[block] and self.window:
+            return min(full, -(-(self.window + UBATCH) // KV_PAD) * KV_PAD)
+        return full
 
     @classmethod
     def from_info(cls, info: GGUFInfo) -> Layout:
@@ -91,12 +113,23 @@ class Layout:
             n_embd=info.n_embd,
             # llama.cpp's FFN is ~4x the embedding when the file does not say (GPT-2 shape).
             n_ff=info.n_ff or 4 * info.n_embd,
+            output_file=_own_output(info),
+            swa=swa_layers(info),
+            window=info.sliding_window or SWA_DEFAULT_WINDOW.get(info.architecture) or 0,
         )
 
     @property
     def units(self) -> int:
         """Offloadable units: the blocks and the output layer."""
         return self.n_layers + 1
+
+
+def _own_output(info: GGUFInfo) -> int:
+    """The output layer's bytes that are its own in the file: all of them, less the copy of
+    the token embeddings that a tied model's output layer is loaded as."""
+    counted = sum(info.layer_bytes or ()) + info.input_bytes + info.output_bytes
+    copy = max(0, counted - (info.tensor_bytes or counted))
+    return max(0, info.output_bytes - copy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +179,6 @@ def split_bytes(
 ) -> OffloadBytes:
     """Bytes per device with ``counts[i]`` units on device i (``n_ctx`` is per slot)."""
     where = unit_devices(layout.n_layers, counts)
-    tokens = n_ctx * slots
     kv_per_block = kv_bytes_per_token_per_block(layout, kv_type)
     n_dev = len(counts)
     gpu = [0] * n_dev
@@ -154,7 +186,7 @@ def split_bytes(
     cpu_kv = 0
     for block in range(layout.n_layers):
         dev = where[block]
-        kv = kv_per_block[block] * tokens
+        kv = kv_per_block[block] * slots * layout.cells(block, n_ctx)
         if dev is None:
             cpu_weights += layout.block_bytes[block]
             cpu_kv += kv
@@ -173,7 +205,7 @@ def split_bytes(
         compute = ACTIVATION_BYTES * UBATCH * (layout.n_ff + layout.n_embd)
         compute += MASK_BYTES * UBATCH * n_ctx
         if i == out_dev:
-            compute += LOGIT_BYTES * UBATCH * layout.n_vocab
+            compute += OUTPUT_DEVICE_EXTRA
         gpu[i] += CUDA_DEVICE_BASE + compute * copies
     if len(used) > 1:
         gpu[used[0]] += SPLIT_FIRST_EXTRA
@@ -187,6 +219,11 @@ def split_bytes(
     fixed = LLAMA_RUNTIME_ANON + LLAMA_FIXED_ANON
     anonymous = fixed + LLAMA_PER_VOCAB * vocab + slots * vocab * LOGIT_BYTES + cpu_kv
     file_backed = cpu_weights + LLAMA_RUNTIME_FILE
+    if on_gpu and where[0] is None and out_dev is not None:
+        # Blocks on the CPU, the output layer on the GPU: its mapped pages were read for the
+        # upload and stay resident (H100, issue 27: +79/+102/+192 MiB for Q6_K/Q8_0/F16
+        # output matrices; none with the whole model on the GPU, none for a tied output).
+        file_backed += layout.output_file
     if on_gpu:
         anonymous += CUDA_HOST_ANON
         file_backed += CUDA_RUNTIME_FILE

@@ -1,8 +1,10 @@
 """A policy refusal as the 507 the client gets. PURE apart from one log line.
 
-The policy sees the load ceiling less the server process's own bytes; the 507 reports the
-ceiling itself and what the server holds of it, plus the memory limit and the rule it came
-from, so the body explains itself. ``elbowroom plan`` shows the same suggestions.
+The policy sees the host load ceiling less the server process's own bytes; a host 507
+reports the ceiling itself and what the server holds of it, plus the memory limit and the
+rule it came from, so the body explains itself. A GPU pool's 507 gives that pool's numbers
+alone (the server's host bytes are no part of a GPU's ceiling). ``elbowroom plan`` shows
+the same suggestions.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import logging
 
 from elbowroom.errors import InsufficientMemory
 from elbowroom.memory.budget import Limit
-from elbowroom.scheduler.policy import Refuse
+from elbowroom.scheduler.policy import HOST, Refuse
 from elbowroom.units import format_size
 
 __all__ = ["insufficient_memory"]
@@ -33,9 +35,10 @@ def insufficient_memory(refusal: Refuse, server: int, limit: Limit | None) -> In
         format_size(refusal.committed),
     )
     message = refusal.message()
-    if server:
-        # The policy saw the ceiling less the server's own bytes: report the ceiling
-        # itself, and what the server holds of it.
+    if server and refusal.pool == HOST:
+        # The policy saw the host ceiling less the server's own bytes: report the ceiling
+        # itself, and what the server holds of it. A GPU pool's ceiling never held the
+        # server's host bytes: its 507 speaks of that pool only.
         refusal = dataclasses.replace(refusal, limit=refusal.limit + server)
         bare = dataclasses.replace(refusal, suggestions=()).message()
         message = f"{bare} (the server process itself holds {format_size(server)} of it)"

@@ -11,9 +11,11 @@ from __future__ import annotations
 import sys
 
 import pytest
+from bundled_models import bundled_spec
 from synth_models import TINY, ensure
 
 from elbowroom.config import Settings
+from elbowroom.models.accuracy import check
 from elbowroom.models.bundled import bundled_specs, gguf_llm
 from elbowroom.models.calibrate import measure_load
 from elbowroom.models.estimate import footprint
@@ -37,6 +39,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> ModelSpec:
 def _check(spec: ModelSpec, n_ctx: int, slots: int) -> None:
     m = measure_load(spec, n_ctx, "f16", slots=slots, timeout=240).loaded
     fp = footprint(spec, n_ctx, slots)
+    # the rule (models/accuracy.py): never more than 5 % under, whatever the build here
+    check(f"{spec.id} n_ctx {n_ctx} × {slots}", fp.at_load, m.resident)
     error = (fp.at_load - m.resident) / m.resident
     assert abs(error) <= 0.10, (
         f"{spec.id} n_ctx {n_ctx} × {slots}: predicted at load {fp.at_load} (anon "
@@ -58,6 +62,18 @@ def test_smollm2_within_10_percent(empty_settings: Settings, n_ctx: int, slots: 
     if spec is None:
         pytest.skip("the bundled SmolLM2 is not installed")
     _check(spec, n_ctx, slots)
+
+
+@pytest.mark.slow
+def test_gemma3_within_10_percent_and_never_under() -> None:
+    # the other bundled LLM (a sliding-window model with a 262,144-token vocabulary), from
+    # where the server assembles it
+    pytest.importorskip("xllamacpp")
+    try:
+        spec = bundled_spec("gemma3-270m")
+    except LookupError as exc:
+        pytest.skip(str(exc))
+    _check(spec, 2048, 2)
 
 
 def test_synthetic_files_are_cached(tiny: ModelSpec) -> None:
