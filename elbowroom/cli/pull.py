@@ -109,10 +109,21 @@ def _json_line(event: dict[str, Any]) -> None:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
+    # The 507 the command prints says it all: the planner's own warning is not repeated. The
+    # level is put back afterwards, as the command also runs inside other programs (tests).
+    quiet = logging.getLogger("elbowroom.scheduler")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        return _pull(args)
+    finally:
+        quiet.setLevel(level)
+
+
+def _pull(args: argparse.Namespace) -> int:
     from elbowroom.models.pull import Puller
     from elbowroom.models.pullfit import FITS, with_ctx
 
-    logging.getLogger("elbowroom.scheduler").setLevel(logging.ERROR)  # the 507 says it all
     bar: _Bar | None = None
     try:
         settings = with_ctx(_settings(args), args.ctx)
