@@ -251,6 +251,78 @@ def test_serve_cluster_answers_openai_and_shows_nodes(cluster: Any, cluster_serv
     assert {n["name"] for n in data["nodes"] if SMOLLM2 in n["models"]} == {row["node"]}
 
 
+def test_numbers_are_labelled_cluster_totals_and_memory_url_shows_every_node(
+    cluster: Any, cluster_server: Any
+) -> None:
+    """`ps`'s footer, the startup line and `elbowroom memory --url` say whose numbers they
+    are: the sums over the live nodes (not the head's alone), then each node's own."""
+    server = cluster_server
+    memory = server.memory()
+    totals = memory["totals"]
+    live = [n for n in memory["nodes"] if n["alive"]]
+    assert totals["nodes"] == 3 and totals["ceiling"] == sum(n["ceiling"] for n in live)
+    assert totals["ceiling"] > max(n["ceiling"] for n in live)  # not one node's figure
+    startup = server.log()
+    assert "memory, cluster total over 3 nodes: limit" in startup, startup
+    assert startup.count("  node ") >= 3  # then one line per node
+    # `elbowroom ps`: the footer is the cluster's totals, labelled.
+    ps = server.cli("ps")
+    assert ps.returncode == 0, ps.stderr
+    footer = ps.stdout.strip().splitlines()[-1]
+    assert footer.startswith("cluster total over 3 nodes: committed "), footer
+    ps_json = json.loads(server.cli("ps", "--json").stdout)
+    assert ps_json["memory"]["scope"] == "cluster"
+    assert ps_json["memory"]["ceiling"] == totals["ceiling"]
+    # `elbowroom memory --url`: one row per node, and the totals, labelled.
+    text = server.cli("memory")
+    assert text.returncode == 0, text.stderr
+    assert "a cluster of 3 live nodes" in text.stdout
+    assert all(n["name"] in text.stdout for n in live)
+    assert "cluster total over 3 nodes (sums of the rows above)" in text.stdout
+    data = json.loads(server.cli("memory", "--json").stdout)
+    assert data["cluster"] is True and data["totals"]["nodes"] == 3
+
+
+def test_a_model_that_fits_only_split_without_the_rpc_build_is_a_507_naming_the_command(
+    cluster: Any, server_factory: Any, tmp_path: Any
+) -> None:
+    """SmolLM2 with 16 slots of 8,192 tokens (~3 GiB) fits on no node but would fit split
+    over A and B; with no RPC build on the nodes (an empty rpc_bin_dir) the request is
+    refused at once in the API's shape, naming the command that enables splitting, and
+    nothing is reserved on any node (it used to be a 500 after the share was reserved)."""
+    server = server_factory(
+        "--cluster",
+        cluster.address,
+        "--model-slots",
+        f"{SMOLLM2}=16",
+        env={
+            "ELBOWROOM_MIN_CTX": "8192",
+            "ELBOWROOM_MAX_CTX": "8192",
+            "ELBOWROOM_KV_CACHE": "false",
+            "ELBOWROOM_RPC_BIN_DIR": str(tmp_path),  # no rpc-server, no llama-server there
+        },
+    )
+    import openai
+
+    with pytest.raises(openai.APIStatusError) as err:
+        server.openai(max_retries=0).chat.completions.create(
+            model=SMOLLM2, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+    assert err.value.status_code == 507, err.value.response.text
+    body = err.value.response.json()["error"]
+    assert body["code"] == "split_unavailable" and body["type"] == "insufficient_memory"
+    message = body["message"]
+    assert "fits only split" in message and "ELBOWROOM_RPC=1 scripts/setup.sh" in message
+    assert body["enable_split"] == "ELBOWROOM_RPC=1 scripts/setup.sh"
+    assert set(body["missing"]) == set(body["split"]["layers"]) and len(body["missing"]) >= 2
+    assert ". A split" not in message and "--ctx It" not in message  # sentences apart
+    # Decided before anything was reserved: no share on any node, nothing committed.
+    assert server.ps() == []
+    assert all(n.get("committed", 0) == 0 for n in server.memory()["nodes"] if n["alive"])
+    assert "internal_error" not in server.log()
+    assert server.stop() == 0
+
+
 def test_the_dashboard_shows_the_nodes_in_a_real_browser(cluster_server: Any) -> None:
     """Debian's headless Chromium through Playwright (as tests/e2e/test_dashboard_browser.py);
     then the server stops cleanly, its agents and runners with it."""
