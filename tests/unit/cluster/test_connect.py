@@ -45,3 +45,40 @@ def test_join_retries_a_ray_client_server_that_died_at_start(
     monkeypatch.setattr(connect, "_import_ray", lambda: _FlakyRay(failures=1))
     with pytest.raises(connect.ClusterError, match=r"10\.0\.0\.1:6379.*ray start --head"):
         connect.join("10.0.0.1:6379")
+
+
+def test_rays_error_reports_and_sigterm_warning_stay_out_of_the_server_log(
+    capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A raylet's death reaches every driver as a printed report with its last 20 log
+    lines ([state-dump] ...): one line of elbowroom's log instead. Ray's warning that it
+    could not set its SIGTERM handler (we join from a thread) is dropped."""
+    import logging
+
+    worker = pytest.importorskip("ray._private.worker")
+    from elbowroom.cluster.connect import quiet_ray
+
+    printer = worker.print_to_stdstream
+    try:
+        quiet_ray()
+        quiet_ray()  # idempotent: wrapped once
+        report = (
+            "Raylet is terminated. Termination is unexpected. Last 20 lines of the Raylet "
+            "logs:\n    [state-dump] NodeManager:\n    [state-dump] Node ID: abc\n"
+        )
+        with caplog.at_level(logging.INFO):
+            worker.print_to_stdstream(
+                {"lines": [report], "pid": "raylet", "is_err": False}, ignore_prefix=False
+            )
+            logging.getLogger("ray._private.worker").warning(
+                "SIGTERM handler is not set because current thread is not the main thread."
+            )
+        out = capsys.readouterr()
+        assert "[state-dump]" not in out.out + out.err + caplog.text
+        assert "SIGTERM handler" not in out.out + out.err + caplog.text
+        (record,) = [r for r in caplog.records if "Ray reports" in r.getMessage()]
+        assert "Raylet is terminated. Termination is unexpected." in record.getMessage()
+    finally:
+        worker.print_to_stdstream = printer
+        for f in list(logging.getLogger("ray._private.worker").filters):
+            logging.getLogger("ray._private.worker").removeFilter(f)
