@@ -280,6 +280,8 @@ def render_report(report: dict[str, Any], url: str) -> str:
 
 
 def _cluster_text(report: dict[str, Any], url: str) -> str:
+    from elbowroom.cli.server import cluster_pressure_text
+
     totals: dict[str, Any] = report.get("totals") or {}
     rows = []
     for n in report.get("nodes") or ():
@@ -311,6 +313,6 @@ def _cluster_text(report: dict[str, Any], url: str) -> str:
             f"cluster total over {totals.get('nodes', 0)} nodes (sums of the rows above): "
             f"limit {fs(totals.get('limit'))}, ceiling {fs(totals.get('ceiling'))}, "
             f"committed {fs(totals.get('committed'))}, free {fs(totals.get('available'))}",
-            f"cluster pressure: {report.get('pressure')} (the worst node's: {worst})",
+            f"cluster {cluster_pressure_text(report.get('pressure'), worst)}",
         ]
     )

@@ -289,7 +289,7 @@ def cluster_budget_lines(report: dict[str, Any]) -> list[str]:
         f"limit {format_size(totals.get('limit'))}, "
         f"load ceiling {format_size(totals.get('ceiling'))}, "
         f"committed {format_size(totals.get('committed'))}; "
-        f"pressure {report.get('pressure', '-')} (the worst node's: {report.get('worst_node')})"
+        f"{cluster_pressure_text(report.get('pressure'), report.get('worst_node'))}"
     ]
     for node in report.get("nodes") or ():
         if not node.get("alive"):
@@ -297,6 +297,13 @@ def cluster_budget_lines(report: dict[str, Any]) -> list[str]:
         elif "limit" in node:
             lines.append(f"  node {node.get('name')}: {_budget_line(node)}")
     return lines
+
+
+def cluster_pressure_text(level: Any, worst: Any) -> str:
+    """The cluster's pressure is its worst node's: say which, unless every node is normal."""
+    if level in (None, "normal"):
+        return "pressure normal on every node"
+    return f"pressure {level} (node {worst}, the worst)"
 
 
 def node_rows(nodes: list[dict[str, Any]], now: float) -> list[list[Any]]:
@@ -335,7 +342,7 @@ def memory_footer(memory: dict[str, Any]) -> str:
         return (
             f"cluster total over {memory.get('nodes')} nodes: committed "
             f"{format_size(memory.get('committed'))} of {of}, the sums of the nodes above; "
-            f"pressure {pressure} (the worst node's: {memory.get('worst_node')})"
+            f"{cluster_pressure_text(pressure, memory.get('worst_node'))}"
         )
     return (
         f"this machine: committed {format_size(memory.get('committed'))} of {of}; "

@@ -79,7 +79,8 @@ def quiet_ray() -> None:
             return
         for text in data.get("lines") or ():
             first = next((line for line in str(text).splitlines() if line.strip()), "")
-            log.warning("Ray reports: %s (the rest is in Ray's logs)", first.strip()[:300])
+            first = first.split(" Last ")[0].strip()  # "Last 20 lines of the Raylet logs:"
+            log.warning("Ray reports: %s (the rest is in Ray's logs)", first[:300])
 
     to_log.elbowroom = True  # type: ignore[attr-defined]
     worker.print_to_stdstream = to_log
@@ -177,13 +178,16 @@ class ClusterServices:
             known = self.router.nodes.get(n["NodeID"])
             if known is not None and known.node.alive:
                 continue
-            if known is not None:  # its agent died but the node is back: start afresh
-                await self._retire(known)
             try:
                 node = await self._start_node(n["NodeID"], names[n["NodeID"]])
             except Exception as exc:
-                log.error("node %s: cannot start its agent: %s", names[n["NodeID"]], exc)
+                # Ray lists a dead node as alive until its heartbeats are missed: the gone
+                # node stays in the table, marked gone, until a new agent runs there.
+                first = next(iter(str(exc).strip().splitlines()), type(exc).__name__)
+                log.warning("node %s: cannot start its agent: %s", names[n["NodeID"]], first)
                 continue
+            if known is not None:  # its agent died but the node is back: start afresh
+                await self._retire(known)
             self.router.add(await self._services_for(node))
 
     async def _start_node(self, node_id: str, name: str) -> Node:
@@ -267,7 +271,8 @@ class ClusterServices:
                 try:
                     await self._discover()
                 except _ray_errors() as exc:
-                    log.warning("cluster membership check failed: %r", exc)
+                    first = next(iter(str(exc).strip().splitlines()), type(exc).__name__)
+                    log.warning("cluster membership check failed: %s", first)
                 except Exception:
                     log.exception("cluster membership check failed")
 

@@ -94,15 +94,16 @@ def _node_line(o: NodeOption) -> str:
         return f"{o.name}: under hard memory pressure"
     if isinstance(o.decision, Refuse):
         d = o.decision
+        # The node's own ceiling (the refusal's is less what elbowroom's agent holds there).
         room = d.available + d.evictable
         if room >= d.limit:
             return (
                 f"{o.name}: needs {format_size(d.needed)}, more than its whole "
-                f"{format_size(d.limit)} load ceiling"
+                f"{format_size(o.limit)} load ceiling"
             )
         return (
             f"{o.name}: needs {format_size(d.needed)}, only {format_size(room)} of its "
-            f"{format_size(d.limit)} load ceiling can be made free"
+            f"{format_size(o.limit)} load ceiling can be made free"
         )
     return f"{o.name}: {format_size(o.available)} free under its {format_size(o.limit)} ceiling"
 

@@ -54,7 +54,7 @@ def _ray_errors() -> tuple[type[BaseException], ...]:
 def lost(node: Node, what: str, exc: BaseException) -> str:
     """Why ``node`` is taken for gone, in elbowroom's words: the node, what failed, and
     that Ray no longer reaches its agent. Ray's own exception goes to the log only."""
-    log.info("node %s: %s failed: %r", node.name, what, exc)
+    log.debug("node %s: %s failed: %r", node.name, what, exc)
     return (
         f"node {node.name} stopped answering: {what} failed, because Ray no longer "
         "reaches elbowroom's agent there (the node, its raylet or the agent is gone)"
