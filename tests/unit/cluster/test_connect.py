@@ -82,3 +82,42 @@ def test_rays_error_reports_and_sigterm_warning_stay_out_of_the_server_log(
         worker.print_to_stdstream = printer
         for f in list(logging.getLogger("ray._private.worker").filters):
             logging.getLogger("ray._private.worker").removeFilter(f)
+
+
+def test_a_gone_node_ray_still_lists_stays_in_the_table_until_a_new_agent_runs() -> None:
+    """Ray lists a dead node as alive until its heartbeats are missed: the membership check
+    tries a new agent there, which fails. The node must stay in the table, marked gone
+    (it used to be retired first, and vanished from ps, /api/memory and the dashboard)."""
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from elbowroom.cluster.connect import ClusterServices
+    from elbowroom.cluster.router import NodeEntry
+    from elbowroom.config import Settings
+
+    now = time.time()
+    gone = SimpleNamespace(id="n1", name="10.0.0.2", alive=False, gone_at=now, gone_cause="x")
+
+    class _Ray:
+        def nodes(self) -> list[dict[str, object]]:
+            return [{"NodeID": "n1", "NodeManagerAddress": "10.0.0.2", "Alive": True}]
+
+    async def main() -> None:
+        cs = ClusterServices(Settings(cluster="127.0.0.1:6379"), None, None)
+        cs._ray = _Ray()
+        cs.router.nodes["n1"] = NodeEntry(node=gone, scheduler=SimpleNamespace())
+
+        async def no_agent(node_id: str, name: str) -> object:
+            raise RuntimeError("The actor died unexpectedly before finishing this task.\n...")
+
+        cs._start_node = no_agent  # type: ignore[method-assign]
+        await cs._discover()
+        assert cs.router.nodes["n1"].node is gone
+        rows = cs.router.memory_report()["nodes"]
+        listed = [(r["name"], r["alive"], r["gone_cause"]) for r in rows]
+        assert listed == [("10.0.0.2", False, "x")]
+        gone.gone_at = now - 601  # shown 10 minutes, then out of the table
+        assert cs.router.memory_report()["nodes"] == []
+
+    asyncio.run(main())
