@@ -121,3 +121,15 @@ def test_a_gone_node_ray_still_lists_stays_in_the_table_until_a_new_agent_runs()
         assert cs.router.memory_report()["nodes"] == []
 
     asyncio.run(main())
+
+
+def test_serve_help_names_every_cluster_address_form() -> None:
+    import argparse
+
+    from elbowroom.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    text = sub.choices["serve"].format_help()
+    assert "ray://HOST:10001" in text and "HOST:6379" in text and "auto" in text
+    memory = sub.choices["memory"].format_help()
+    assert "--url" in memory and "/api/memory" in memory
