@@ -318,7 +318,7 @@ class ClusterScheduler:
             code="split_unavailable",
             details={
                 **refusal.details,
-                "split": {"layers": dict(plan.split.layers)},
+                "split_layers": dict(plan.split.layers),  # the plan that would fit
                 "missing": lacking,
                 "enable_split": RPC_SETUP,
             },

@@ -315,7 +315,7 @@ def test_a_model_that_fits_only_split_without_the_rpc_build_is_a_507_naming_the_
     message = body["message"]
     assert "fits only split" in message and "ELBOWROOM_RPC=1 scripts/setup.sh" in message
     assert body["enable_split"] == "ELBOWROOM_RPC=1 scripts/setup.sh"
-    assert set(body["missing"]) == set(body["split"]["layers"]) and len(body["missing"]) >= 2
+    assert set(body["missing"]) == set(body["split_layers"]) and len(body["missing"]) >= 2
     assert ". A split" not in message and "--ctx It" not in message  # sentences apart
     # Decided before anything was reserved: no share on any node, nothing committed.
     assert server.ps() == []
