@@ -3,7 +3,9 @@
 # (serves one node's memory to a remote llama.cpp) and an RPC-enabled `llama-server` (the
 # split model's runner), from the llama.cpp that xllamacpp vendors (same revision as the
 # engine). The PyPI xllamacpp wheel has no RPC backend, hence this build. Cached: a second
-# run does nothing. Takes 5-40 minutes of all cores; BUILD_JOBS caps the parallelism.
+# run does nothing. Needs cmake and a C++ compiler, and downloads the xllamacpp source
+# package from PyPI (37.7 MB) unless SRC is given. Takes 5-40 minutes; it compiles with
+# BUILD_JOBS parallel jobs, 2 by default (BUILD_JOBS=$(nproc) uses every core).
 #   scripts/rpc_engine.sh [SRC]   SRC: an unpacked xllamacpp sdist (has thirdparty/llama.cpp)
 set -euo pipefail
 VERSION=${XLLAMACPP_VERSION:-2026.10.11549}

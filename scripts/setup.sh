@@ -56,7 +56,8 @@ elif [ -n "${ELBOWROOM_ENGINE_BUILD:-}" ]; then
 fi
 # ------------------------------------------------------------------------------------------
 # ELBOWROOM_RPC=1 also builds llama.cpp's RPC tools for models split over a cluster
-# (docs/cluster.md; 5-40 minutes of all cores, once: cached under ~/.cache/elbowroom).
+# (docs/cluster.md; 5-40 minutes with BUILD_JOBS=2, cmake and a C++ compiler, a 37.7 MB
+# download; once: cached under ~/.cache/elbowroom).
 if [ -n "${ELBOWROOM_RPC:-}" ]; then
     scripts/rpc_engine.sh >/dev/null
 fi

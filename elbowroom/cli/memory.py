@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -43,10 +44,23 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--count", type=int, default=None, metavar="N", help="with --watch: stop after N samples"
     )
+    p.add_argument(
+        "--url",
+        default=None,
+        help="ask the running server there instead (GET /api/memory): its own numbers, and "
+        "over a cluster every node's and their totals",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("ELBOWROOM_ADMIN_KEY") or os.environ.get("ELBOWROOM_API_KEY"),
+        help="with --url: the admin key, if the server has one",
+    )
     p.set_defaults(func=cmd_memory)
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
+    if args.url is not None:
+        return _from_server(args)
     settings = settings_from(args)
     watch: float | None = args.watch
     if watch is not None and watch != _DEFAULT_INTERVAL and watch <= 0:
@@ -220,4 +234,85 @@ def watch_line(sample: Sample) -> str:
         f"{clock:<8}  {fs(snap.available):>10}  {fs(snap.used):>10}  "
         f"{fs(snap.cgroup_usage):>10}  {psi:>6}  {fs(sample.limit.value):>10}  "
         f"{sample.limit.winner:<15}  {sample.level.label}"
+    )
+
+
+# ---------------------------------------------------------------- a running server
+
+
+def _from_server(args: argparse.Namespace) -> int:
+    from elbowroom.cli.server import _call
+
+    if args.watch is not None:
+        print("elbowroom: --watch reads this machine; with --url use `elbowroom ps --watch`",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    report = _call(args, "GET", "/api/memory")
+    if report is None:
+        return 1
+    if args.json:
+        print_json(report)
+    else:
+        print(render_report(report, args.url))
+    return 0
+
+
+def render_report(report: dict[str, Any], url: str) -> str:
+    """A running server's ``/api/memory``: this machine's budget, or over a cluster one row
+    per node and the totals, each labelled."""
+    if report.get("cluster"):
+        return _cluster_text(report, url)
+    limit: dict[str, Any] = report.get("limit") or {}
+    value = int(limit.get("value") or 0) or 1
+    ceiling = int(report.get("ceiling") or 0)
+    lines = [
+        f"server {url}: one machine (these numbers are this machine's)",
+        f"limit      {fs(limit.get('value'))} ({limit.get('winner')}, {limit.get('rule')} rule)",
+        f"ceiling    {fs(ceiling)} ({ceiling / value:.0%} of the limit: loads stop here)",
+        f"committed  {fs(report.get('committed'))} by models, "
+        f"{fs(report.get('server_usage'))} by the server itself",
+        f"available  {fs(report.get('available'))} under the ceiling",
+        f"ours       {fs(report.get('own_usage'))} (models and server, measured)",
+        f"pressure: {report.get('pressure')}",
+        *(f"  - {why}" for why in report.get("pressure_reasons") or ()),
+    ]
+    return "\n".join(lines)
+
+
+def _cluster_text(report: dict[str, Any], url: str) -> str:
+    from elbowroom.cli.server import cluster_pressure_text
+
+    totals: dict[str, Any] = report.get("totals") or {}
+    rows = []
+    for n in report.get("nodes") or ():
+        if not n.get("alive"):
+            gone = [n.get("name"), "gone", "-", "-", "-", "-", "-"]
+            rows.append([*gone, n.get("gone_cause") or "-"])
+            continue
+        limit = n.get("limit") or {}
+        rows.append(
+            [
+                n.get("name"),
+                n.get("pressure") or "-",
+                f"{fs(limit.get('value'))} ({limit.get('winner')})",
+                fs(n.get("ceiling")),
+                fs(n.get("committed")),
+                fs(n.get("available")),
+                fs(n.get("own_usage")),
+                "; ".join(n.get("pressure_reasons") or ()) or "-",
+            ]
+        )
+    headers = ["NODE", "PRESSURE", "LIMIT", "CEILING", "COMMITTED", "FREE", "OURS", "WHY"]
+    worst = report.get("worst_node")
+    return "\n".join(
+        [
+            f"server {url}: a cluster of {totals.get('nodes', 0)} live nodes "
+            "(each row is one node's own numbers)",
+            table(headers, rows),
+            "",
+            f"cluster total over {totals.get('nodes', 0)} nodes (sums of the rows above): "
+            f"limit {fs(totals.get('limit'))}, ceiling {fs(totals.get('ceiling'))}, "
+            f"committed {fs(totals.get('committed'))}, free {fs(totals.get('available'))}",
+            f"cluster {cluster_pressure_text(report.get('pressure'), worst)}",
+        ]
     )

@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -60,7 +61,8 @@ def register(sub: Any) -> None:
         dest="cluster",
         default=None,
         metavar="ADDRESS",
-        help="serve over a Ray cluster (auto, HOST:6379); docs/cluster.md",
+        help="serve over a Ray cluster: auto or HOST:6379 (run on a cluster machine), or "
+        "ray://HOST:10001 (Ray Client, from any machine); docs/cluster.md",
     )
     p.set_defaults(func=cmd_serve)
 
@@ -252,7 +254,11 @@ def _announce(settings: Settings, sock: socket.socket, services: Any, as_json: b
         )
         return
     print(f"elbowroom listening on {url} (OpenAI base URL {url}/v1)", flush=True)
-    print(f"memory: {_budget_line(report)}", flush=True)
+    if report.get("cluster"):
+        for line in cluster_budget_lines(report):
+            print(line, flush=True)
+    else:
+        print(f"memory: {_budget_line(report)}", flush=True)
     if settings.api_key or settings.api_keys or settings.admin_key:
         admin = " (/api, /metrics: the admin key)" if settings.admin_key else ""
         print(
@@ -271,6 +277,76 @@ def _budget_line(report: dict[str, Any]) -> str:
         f"limit {format_size(limit.get('value'))}{why}, "
         f"committed {format_size(report.get('committed'))}, "
         f"pressure {report.get('pressure', '-')}"
+    )
+
+
+def cluster_budget_lines(report: dict[str, Any]) -> list[str]:
+    """Over a cluster: the sums over the live nodes, labelled so, then one line per node
+    (the per-node numbers the sums are made of)."""
+    totals: dict[str, Any] = report.get("totals") or {}
+    lines = [
+        f"memory, cluster total over {totals.get('nodes', 0)} nodes: "
+        f"limit {format_size(totals.get('limit'))}, "
+        f"load ceiling {format_size(totals.get('ceiling'))}, "
+        f"committed {format_size(totals.get('committed'))}; "
+        f"{cluster_pressure_text(report.get('pressure'), report.get('worst_node'))}"
+    ]
+    for node in report.get("nodes") or ():
+        if not node.get("alive"):
+            lines.append(f"  node {node.get('name')}: gone")
+        elif "limit" in node:
+            lines.append(f"  node {node.get('name')}: {_budget_line(node)}")
+    return lines
+
+
+def cluster_pressure_text(level: Any, worst: Any) -> str:
+    """The cluster's pressure is its worst node's: say which, unless every node is normal."""
+    if level in (None, "normal"):
+        return "pressure normal on every node"
+    return f"pressure {level} (node {worst}, the worst)"
+
+
+def node_rows(nodes: list[dict[str, Any]], now: float) -> list[list[Any]]:
+    """The node table's rows; a node that left shows as gone, with how long ago."""
+    rows = []
+    for n in nodes:
+        alive = "yes"
+        if not n.get("alive"):
+            since = n.get("gone_at")
+            alive = f"gone {now - float(since):.0f} s ago" if since else "gone"
+        rows.append(
+            [
+                n.get("name"),
+                alive,
+                n.get("pressure") or "-",
+                format_size(n.get("committed")) if n.get("alive") else "-",
+                format_size(n.get("available")) if n.get("alive") else "-",
+                format_size(n.get("ceiling")) if n.get("alive") else "-",
+                ", ".join(n.get("models") or []) or "-",
+            ]
+        )
+    return rows
+
+
+def memory_footer(memory: dict[str, Any]) -> str:
+    """The line under `ps`'s tables, labelled: this machine's numbers, or the cluster's
+    sums over its live nodes."""
+    pressure = memory.get("pressure")
+    ceiling = memory.get("ceiling")
+    of = (
+        f"the {format_size(ceiling)} load ceiling (limit {format_size(memory.get('limit'))})"
+        if ceiling is not None
+        else f"the {format_size(memory.get('limit'))} limit"
+    )
+    if memory.get("scope") == "cluster":
+        return (
+            f"cluster total over {memory.get('nodes')} nodes: committed "
+            f"{format_size(memory.get('committed'))} of {of}, the sums of the nodes above; "
+            f"{cluster_pressure_text(pressure, memory.get('worst_node'))}"
+        )
+    return (
+        f"this machine: committed {format_size(memory.get('committed'))} of {of}; "
+        f"pressure {pressure}"
     )
 
 
@@ -321,24 +397,11 @@ def cmd_ps(args: argparse.Namespace) -> int:
         print("no models loaded")
     if data.get("nodes"):
         print()
-        print(table(["NODE", "ALIVE", "PRESSURE", "COMMITTED", "FREE", "CEILING", "MODELS"], [
-            [
-                n.get("name"),
-                "yes" if n.get("alive") else "gone",
-                n.get("pressure") or "-",
-                format_size(n.get("committed")),
-                format_size(n.get("available")),
-                format_size(n.get("ceiling")),
-                ", ".join(n.get("models") or []) or "-",
-            ]
-            for n in data["nodes"]
-        ]))  # fmt: skip
+        headers = ["NODE", "ALIVE", "PRESSURE", "COMMITTED", "FREE", "CEILING", "MODELS"]
+        print(table(headers, node_rows(data["nodes"], time.time())))
     memory = data.get("memory", {})
     if memory.get("limit") is not None:
-        print(
-            f"\ncommitted {format_size(memory.get('committed'))} of "
-            f"{format_size(memory.get('limit'))} limit (pressure {memory.get('pressure')})"
-        )
+        print("\n" + memory_footer(memory))
     return 0
 
 

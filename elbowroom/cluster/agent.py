@@ -103,6 +103,10 @@ class NodeAgent:
             "override_memory": self._settings.override_memory,
         }
 
+    async def missing_files(self, paths: list[str]) -> list[str]:
+        """Those of ``paths`` that are not files on this node (the split's RPC build)."""
+        return [p for p in paths if not Path(p).is_file()]
+
     async def poll(self) -> dict[str, Any]:
         """One reading: the node's snapshot, the agent's own bytes, each runner's bytes."""
         return await asyncio.to_thread(self._reading)

@@ -53,8 +53,42 @@ def _import_ray() -> Any:
 CLIENT_ATTEMPTS = 3
 
 
+class _NotOurs(logging.Filter):
+    """Ray's warnings that say nothing to an elbowroom user: the server handles SIGTERM
+    itself (it joins from a worker thread, where Ray cannot install its handler)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("SIGTERM handler is not set")
+
+
+def quiet_ray() -> None:
+    """Keep Ray's own noise out of the server's log: the SIGTERM warning above, and the
+    error reports Ray prints to every driver (a raylet that died comes with its last 20
+    log lines, ``[state-dump]`` and all), which become one line of elbowroom's log each.
+    What a node's death means for requests is said by elbowroom (cluster.remote.lost)."""
+    import ray._private.worker as worker
+
+    logging.getLogger("ray._private.worker").addFilter(_NotOurs())
+    printer = getattr(worker, "print_to_stdstream", None)
+    if printer is None or getattr(printer, "elbowroom", False):
+        return
+
+    def to_log(data: dict[str, Any], ignore_prefix: bool = False) -> None:
+        if data.get("pid") != "raylet":  # not an error report: Ray's own printing
+            printer(data, ignore_prefix)
+            return
+        for text in data.get("lines") or ():
+            first = next((line for line in str(text).splitlines() if line.strip()), "")
+            first = first.split(" Last ")[0].strip()  # "Last 20 lines of the Raylet logs:"
+            log.warning("Ray reports: %s (the rest is in Ray's logs)", first[:300])
+
+    to_log.elbowroom = True  # type: ignore[attr-defined]
+    worker.print_to_stdstream = to_log
+
+
 def join(address: str) -> Any:
     ray = _import_ray()
+    quiet_ray()
     attempts = CLIENT_ATTEMPTS if address.startswith("ray://") else 1
     for attempt in range(1, attempts + 1):
         if ray.is_initialized():
@@ -144,13 +178,16 @@ class ClusterServices:
             known = self.router.nodes.get(n["NodeID"])
             if known is not None and known.node.alive:
                 continue
-            if known is not None:  # its agent died but the node is back: start afresh
-                await self._retire(known)
             try:
                 node = await self._start_node(n["NodeID"], names[n["NodeID"]])
             except Exception as exc:
-                log.error("node %s: cannot start its agent: %s", names[n["NodeID"]], exc)
+                # Ray lists a dead node as alive until its heartbeats are missed: the gone
+                # node stays in the table, marked gone, until a new agent runs there.
+                first = next(iter(str(exc).strip().splitlines()), type(exc).__name__)
+                log.warning("node %s: cannot start its agent: %s", names[n["NodeID"]], first)
                 continue
+            if known is not None:  # its agent died but the node is back: start afresh
+                await self._retire(known)
             self.router.add(await self._services_for(node))
 
     async def _start_node(self, node_id: str, name: str) -> Node:
@@ -234,7 +271,8 @@ class ClusterServices:
                 try:
                     await self._discover()
                 except _ray_errors() as exc:
-                    log.warning("cluster membership check failed: %r", exc)
+                    first = next(iter(str(exc).strip().splitlines()), type(exc).__name__)
+                    log.warning("cluster membership check failed: %s", first)
                 except Exception:
                     log.exception("cluster membership check failed")
 

@@ -63,7 +63,7 @@ class ClusterRefusal:
         return (
             f"model {self.model!r} fits on no node of the cluster: "
             + "; ".join(parts)
-            + ". Add a node with more memory, unload pinned models, or set a smaller --ctx"
+            + ". Add a node with more memory, unload pinned models, or set a smaller --ctx."
         )
 
     def details(self) -> dict[str, Any]:
@@ -77,7 +77,8 @@ class ClusterRefusal:
                     "pressure": o.pressure.label,
                     "needed": o.needed,
                     "available": o.available,
-                    "limit": o.limit,
+                    "ceiling": o.limit,  # the node's load ceiling
+                    "limit": o.limit,  # the same number, under its old name (kept for clients)
                     "evictable": o.decision.evictable if isinstance(o.decision, Refuse) else None,
                     "refusal": o.decision.details() if isinstance(o.decision, Refuse) else None,
                 }
@@ -93,12 +94,18 @@ def _node_line(o: NodeOption) -> str:
         return f"{o.name}: under hard memory pressure"
     if isinstance(o.decision, Refuse):
         d = o.decision
+        # The node's own ceiling (the refusal's is less what elbowroom's agent holds there).
+        room = d.available + d.evictable
+        if room >= d.limit:
+            return (
+                f"{o.name}: needs {format_size(d.needed)}, more than its whole "
+                f"{format_size(o.limit)} load ceiling"
+            )
         return (
-            f"{o.name}: needs {format_size(d.needed)}, "
-            f"{format_size(d.available + d.evictable)} can be made free of "
-            f"{format_size(d.limit)}"
+            f"{o.name}: needs {format_size(d.needed)}, only {format_size(room)} of its "
+            f"{format_size(o.limit)} load ceiling can be made free"
         )
-    return f"{o.name}: {format_size(o.available)} free of {format_size(o.limit)}"
+    return f"{o.name}: {format_size(o.available)} free under its {format_size(o.limit)} ceiling"
 
 
 def choose(model: str, options: Sequence[NodeOption]) -> NodeOption | ClusterRefusal:

@@ -19,6 +19,7 @@ import contextlib
 import itertools
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -50,13 +51,23 @@ def _ray_errors() -> tuple[type[BaseException], ...]:
     return (rex.RayActorError, rex.ActorDiedError, rex.ActorUnavailableError, rex.NodeDiedError)
 
 
+def lost(node: Node, what: str, exc: BaseException) -> str:
+    """Why ``node`` is taken for gone, in elbowroom's words: the node, what failed, and
+    that Ray no longer reaches its agent. Ray's own exception goes to the log only."""
+    log.debug("node %s: %s failed: %r", node.name, what, exc)
+    return (
+        f"node {node.name} stopped answering: {what} failed, because Ray no longer "
+        "reaches elbowroom's agent there (the node, its raylet or the agent is gone)"
+    )
+
+
 async def watch_exit(node: Node, key: str, exited: Callable[[str], None]) -> None:
     """Wait for the process ``key`` on ``node`` to end and report its cause to ``exited``
     (a runner and a split's share alike); a node that is gone is marked so instead."""
     try:
         cause = await node.agent.wait_exit.remote(key)
     except _ray_errors() as exc:
-        node.mark_gone(f"node {node.name} is gone ({type(exc).__name__})")
+        node.mark_gone(lost(node, f"watching process {key.split('#')[0]}", exc))
         return
     if cause is not None:
         exited(f"{cause} on node {node.name}")
@@ -92,6 +103,7 @@ class Node:
         self.lock = threading.Lock()
         self.alive = True
         self.gone_cause: str | None = None
+        self.gone_at: float | None = None  # wall clock (time.time()) when it was marked gone
         self._runners: set[_OnNode] = set()
         self._on_gone: list[Callable[[Node], None]] = []
         # Runners made by another factory, by model id: a split model's share on this node
@@ -125,7 +137,7 @@ class Node:
         try:
             data = await self.agent.poll.remote()
         except _ray_errors() as exc:
-            self.mark_gone(f"node {self.name} is gone ({type(exc).__name__})")
+            self.mark_gone(lost(self, "reading its memory", exc))
             return
         with self.lock:
             self.reading = Reading(data["snapshot"], data["agent_bytes"], data["runners"])
@@ -138,6 +150,7 @@ class Node:
             return
         self.alive = False
         self.gone_cause = cause
+        self.gone_at = time.time()
         log.error("%s; its models fail over to other nodes on their next request", cause)
         for runner in list(self._runners):
             runner.node_gone(cause)
@@ -184,7 +197,7 @@ class RemoteRunner(RunnerStatus):
             answer = await self.node.agent.start.remote(self._key, self.spec, options)
         except _ray_errors() as exc:
             self._state = RunnerState.CRASHED
-            self.node.mark_gone(f"node {self.node.name} is gone ({type(exc).__name__})")
+            self.node.mark_gone(lost(self.node, f"starting {self.spec.id}", exc))
             raise self._crashed(self.node.gone_cause or "node gone", loading=True) from None
         except _task_error() as exc:  # a bug in the agent, not the model: say where
             self._state = RunnerState.STOPPED
@@ -242,7 +255,7 @@ class RemoteRunner(RunnerStatus):
             try:
                 source = await Pulled.open(self.node.agent, self._key, kind, payload)
             except _ray_errors() as exc:
-                self.node.mark_gone(f"node {self.node.name} is gone ({type(exc).__name__})")
+                self.node.mark_gone(lost(self.node, f"a request to {self.spec.id}", exc))
                 raise self._crashed(self.node.gone_cause or "node gone") from None
         else:
             source = Streamed(self.node.agent, self._key, kind, payload)
@@ -260,7 +273,7 @@ class RemoteRunner(RunnerStatus):
                     msg = nxt.result()
                 except _ray_errors() as exc:
                     answered = True
-                    self.node.mark_gone(f"node {self.node.name} is gone ({type(exc).__name__})")
+                    self.node.mark_gone(lost(self.node, f"a request to {self.spec.id}", exc))
                     raise self._crashed(self.node.gone_cause or "node gone") from None
                 if msg is None:
                     answered = True
@@ -323,6 +336,14 @@ class RemoteRunner(RunnerStatus):
 
     def _crashed(self, cause: str, *, loading: bool = False) -> RunnerCrashed:
         where = " while loading" if loading else ""
+        if not self.node.alive:  # the node, not the model: say so, and what comes next
+            return RunnerCrashed(
+                f"{cause}. The request to {self.spec.id} failed{where}; the next request "
+                f"places {self.spec.id} on another node (no crash backoff: the model did "
+                "not crash).",
+                code="runner_crashed",
+                details={"exit_cause": cause, "node": self.node.name, "node_gone": True},
+            )
         return RunnerCrashed(
             f"runner for {self.spec.id} on node {self.node.name} died{where} ({cause}); "
             "the request failed. The next request places the model again.",

@@ -16,9 +16,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from elbowroom.cluster.placement import ClusterRefusal, NodeOption, choose
@@ -29,7 +31,7 @@ from elbowroom.cluster.split_plan import SplitPlan, plan_rooms, plan_split
 from elbowroom.cluster.splitter import NodeSlot, RunningSplit, start_split, stop_split
 from elbowroom.config import Settings
 from elbowroom.engines.options import RpcLlamaOptions
-from elbowroom.errors import ElbowroomError, InsufficientMemory
+from elbowroom.errors import ElbowroomError, InsufficientMemory, Unavailable
 from elbowroom.memory.types import Pressure
 from elbowroom.runtime.protocol import Runner
 from elbowroom.scheduler.events import EventLog
@@ -39,6 +41,9 @@ from elbowroom.scheduler.records import InFlightRequest
 from elbowroom.units import format_size
 
 log = logging.getLogger("elbowroom.cluster")
+
+RPC_SETUP = "ELBOWROOM_RPC=1 scripts/setup.sh"  # builds the split's binaries (rpc_engine.sh)
+GONE_SHOWN = 600.0  # s: a node that left stays in the node table, marked gone, this long
 
 
 @dataclass(slots=True)
@@ -227,7 +232,7 @@ class ClusterScheduler:
                 return plan_split(spec, self.settings, evict), evict
         except SplitError as exc:
             raise InsufficientMemory(
-                f"{refusal.message} A split over the nodes does not fit either: {exc}",
+                f"{_sentence(refusal.message)} A split over the nodes does not fit either: {exc}",
                 code="insufficient_memory",
                 details={**refusal.details, "split": str(exc)},
             ) from None
@@ -252,8 +257,9 @@ class ClusterScheduler:
             kv_block_tokens=s.kv_block_tokens,
         )
         slots = {e.node.name: self._slot(e) for e in self.live()}
-        running = RunningSplit(plan)
         bin_dir = s.rpc_bin_dir or rpc_build_dir()
+        await self._check_rpc_build(model_id, refusal, plan, slots, bin_dir)
+        running = RunningSplit(plan)
         try:
             await start_split(spec, running, slots, options, bin_dir, self._split_down, pin)
         except BaseException:
@@ -268,6 +274,55 @@ class ClusterScheduler:
             layers=layers, rooms=rooms,
         )  # fmt: skip
         return running
+
+    async def _check_rpc_build(
+        self,
+        model_id: str,
+        refusal: InsufficientMemory,
+        plan: SplitPlan,
+        slots: dict[str, NodeSlot],
+        bin_dir: Path,
+    ) -> None:
+        """The model fits only split: every node of the plan needs the RPC build (the home
+        node its llama-server too). Asked before anything is reserved; without it, a 507
+        that says so and names the one command that enables splitting."""
+        names = list(plan.split.layers)
+        wanted = [str(bin_dir / "rpc-server")]
+        asks = [
+            slots[n].node.agent.missing_files.remote(
+                [*wanted, str(bin_dir / "llama-server")] if i == 0 else wanted
+            )
+            for i, n in enumerate(names)
+        ]
+        answers = await asyncio.gather(*asks, return_exceptions=True)
+        lacking = {}
+        for name, answer in zip(names, answers, strict=True):
+            if isinstance(answer, BaseException):
+                raise Unavailable(
+                    f"cannot split {model_id}: node {name} did not answer whether it has the "
+                    "RPC build; retry",
+                    retry_after=5.0,
+                ) from None
+            if answer:
+                lacking[name] = list(answer)
+        if not lacking:
+            return
+        layers = ", ".join(f"{n} {k} layers" for n, k in plan.split.layers.items())
+        binaries = sorted({Path(p).name for paths in lacking.values() for p in paths})
+        raise InsufficientMemory(
+            f"{_sentence(refusal.message)} It fits only split over the nodes ({layers}), "
+            f"and splitting needs llama.cpp's RPC build, which node(s) "
+            f"{', '.join(lacking)} do not have (no {' or '.join(binaries)} in {bin_dir}). "
+            f"To enable splitting, run `{RPC_SETUP}` on every node "
+            "(5-40 min: it builds llama.cpp; docs/cluster.md), then retry.",
+            code="split_unavailable",
+            details={
+                **refusal.details,
+                "split_layers": dict(plan.split.layers),  # the plan that would fit
+                "missing": lacking,
+                "enable_split": RPC_SETUP,
+            },
+        )
 
     def _slot(self, e: NodeEntry) -> NodeSlot:
         if e.catalog is None:  # connect.ClusterServices gives every node its scheduler's
@@ -432,8 +487,14 @@ class ClusterScheduler:
         nodes = []
         totals = {"committed": 0, "available": 0, "ceiling": 0, "limit": 0}
         worst: tuple[int, str, dict[str, Any]] | None = None
+        now = time.time()
         for e in self.nodes.values():
             row: dict[str, Any] = {"id": e.node.id, "name": e.node.name, "alive": e.node.alive}
+            gone_at = getattr(e.node, "gone_at", None)
+            if not e.node.alive and gone_at is not None:
+                if now - gone_at > GONE_SHOWN:
+                    continue  # gone long enough: out of the table
+                row.update(gone_at=gone_at, gone_cause=getattr(e.node, "gone_cause", None))
             if e.node.alive:
                 try:
                     report = e.scheduler.memory_report()
@@ -449,6 +510,7 @@ class ClusterScheduler:
                     if worst is None or rank[:2] > worst[:2]:
                         worst = rank
             nodes.append(row)
+        totals["nodes"] = sum(1 for row in nodes if row["alive"])  # what the sums are over
         pressure = self.pressure()
         out: dict[str, Any] = dict(worst[2]) if worst is not None else {}
         out.update(
@@ -461,3 +523,9 @@ class ClusterScheduler:
             nodes=nodes,
         )
         return out
+
+
+def _sentence(text: str) -> str:
+    """``text`` ending as a sentence, so another can follow it."""
+    text = text.rstrip()
+    return text if text.endswith((".", "!", "?")) else text + "."

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elbowroom.cluster.remote import Node, _ray_errors, watch_exit
+from elbowroom.cluster.remote import Node, _ray_errors, lost, watch_exit
 from elbowroom.cluster.split_plan import SplitPlan
 from elbowroom.engines.options import EngineOptions
 from elbowroom.engines.requests import Payload
@@ -147,7 +147,7 @@ class ShareRunner(RunnerStatus):
             answer = await self.node.agent.start_rpc.remote(self._key, str(self.hooks.binary))
         except _ray_errors() as exc:
             self._state = RunnerState.CRASHED
-            self.node.mark_gone(f"node {self.node.name} is gone ({type(exc).__name__})")
+            self.node.mark_gone(lost(self.node, f"starting the RPC server of {self.spec.id}", exc))
             raise self._crashed(self.node.gone_cause or "node gone") from None
         except asyncio.CancelledError:
             await self._stop_rpc(1.0)

@@ -385,7 +385,9 @@ class PressureGuard:
         level, why = projected(self._points, self._horizon)
         if level > sample.level:
             return level, why
-        return sample.level, None
+        # The signals that set the sample's level (PSI, the machine's available memory,
+        # our usage), for the log: a level not from our usage says which one moved it.
+        return sample.level, "; ".join(sample.reasons) or None
 
     def _gpu_readings(
         self, sample: Sample, models: list[LoadedModel], unloading: frozenset[str]

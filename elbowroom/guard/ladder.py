@@ -127,8 +127,7 @@ class PauseLoads:
 
     def message(self) -> str:
         return (
-            f"pausing model loads{_on(self.pool)}: "
-            f"{self.why or _over(self.usage, self.soft, 'soft')}"
+            f"pausing model loads{_on(self.pool)}: {_over(self.usage, self.soft, 'soft', self.why)}"
         )
 
 
@@ -166,6 +165,7 @@ class Unload:
     busy: bool = False  # evicted with its generations aborted: goes once they have ended
     pool: str = "host"  # the pool whose pressure chose it (usage/threshold are that pool's)
     pool_bytes: int = 0  # what it holds in that pool, when that is a GPU
+    why: str | None = None  # the signal that set the level when usage is not over
 
     def message(self) -> str:
         what = "pinned model" if self.pinned else "idle model"
@@ -174,7 +174,7 @@ class Unload:
         return (
             f"unloading {what} {self.model} ({_held(self.bytes, self.pool, self.pool_bytes)})"
             f" at {self.level.label} pressure{_on(self.pool)}: "
-            f"{_over(self.usage, self.threshold, self.level.label)}"
+            f"{_over(self.usage, self.threshold, self.level.label, self.why)}"
         )
 
 
@@ -189,12 +189,13 @@ class Abort:
     hard: int
     pool: str = "host"
     pool_bytes: int = 0  # what the runner holds in that pool, when that is a GPU
+    why: str | None = None  # the signal that set the level when usage is not over
 
     def message(self) -> str:
         return (
             f"aborting the {self.reason} generation {self.request_id} on {self.model} "
             f"(runner holds {_held(self.bytes, self.pool, self.pool_bytes)}): "
-            f"{_over(self.usage, self.hard, 'hard')}"
+            f"{_over(self.usage, self.hard, 'hard', self.why)}"
         )
 
 
@@ -204,11 +205,12 @@ class CloseAdmission:
     usage: int
     hard: int
     pool: str = "host"  # the pool whose numbers these are
+    why: str | None = None  # the signal that set the level when usage is not over
 
     def message(self) -> str:
         return (
             f"refusing new requests (503, Retry-After {self.retry_after:g} s): "
-            f"{_over(self.usage, self.hard, 'hard')}{_on(self.pool)}"
+            f"{_over(self.usage, self.hard, 'hard', self.why)}{_on(self.pool)}"
         )
 
 
@@ -224,12 +226,18 @@ class OpenAdmission:
 Action = PauseLoads | ResumeLoads | SetPressure | Unload | Abort | CloseAdmission | OpenAdmission
 
 
-def _over(usage: int, threshold: int, name: str) -> str:
+def _over(usage: int, threshold: int, name: str, why: str | None = None) -> str:
+    """Why the level is ``name``: our usage when it is over the threshold, else the signal
+    that moved the level (``why``: PSI, the machine's available memory, the trend)."""
+    if usage > threshold:
+        return f"usage {format_size(usage)} is over the {name} threshold {format_size(threshold)}"
+    if why:
+        return (
+            f"memory pressure: {why} (our usage {format_size(usage)} is under the {name} "
+            f"threshold {format_size(threshold)})"
+        )
     return (
-        f"usage {format_size(usage)} is over the {name} threshold {format_size(threshold)}"
-        if usage > threshold
-        else f"memory pressure (usage {format_size(usage)}, {name} threshold "
-        f"{format_size(threshold)})"
+        f"memory pressure (usage {format_size(usage)}, {name} threshold {format_size(threshold)})"
     )
 
 
@@ -287,7 +295,9 @@ def plan(
         )
     if overall >= Pressure.HARD and gate.admission_open:
         actions.append(
-            CloseAdmission(retry_after, gate_reading.usage, gate_reading.hard, gate_pool)
+            CloseAdmission(
+                retry_after, gate_reading.usage, gate_reading.hard, gate_pool, why=gate_why
+            )
         )
     # Admission re-opens only under soft (not merely under hard): a server that flaps
     # between refusing and admitting would push usage straight back up.
@@ -324,6 +334,10 @@ def plan(
         if want != m.runner_level:
             actions.append(SetPressure(m.id, Pressure(want), m.runner_level))
 
+    if why is not None:  # host actions name the signal that set the level (the log's why)
+        unloads = [u if u.pool != "host" else replace(u, why=why) for u in unloads]
+        if abort is not None and abort.pool == "host":
+            abort = replace(abort, why=why)
     actions.extend(unloads)
     if abort is not None:
         actions.append(abort)

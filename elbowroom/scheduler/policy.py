@@ -167,12 +167,19 @@ class Refuse:
 
     def message(self) -> str:
         where = "" if self.pool == HOST else f" in GPU pool {self.pool}"
-        text = (
-            f"model {self.model!r} needs {format_size(self.needed)}{where} but only "
-            f"{format_size(self.available + self.evictable)} of the "
+        ceiling = (
             f"{format_size(self.limit)} load ceiling (load_fraction of the "
-            f"{'memory' if self.pool == HOST else self.pool} limit) can be made free"
+            f"{'memory' if self.pool == HOST else self.pool} limit)"
         )
+        room = self.available + self.evictable
+        if room >= self.limit:  # nothing is held: the whole ceiling is too small
+            text = f"model {self.model!r} needs {format_size(self.needed)}{where}, more than the "
+            text += f"whole {ceiling}"
+        else:
+            text = (
+                f"model {self.model!r} needs {format_size(self.needed)}{where} but only "
+                f"{format_size(room)} of the {ceiling} can be made free"
+            )
         if self.suggestions:
             text += ": " + "; or ".join(s.message for s in self.suggestions)
         return text
@@ -187,7 +194,8 @@ class Refuse:
             "available": self.available,
             "evictable": self.evictable,
             "shortfall": self.shortfall,
-            "limit": self.limit,
+            "ceiling": self.limit,  # the load ceiling the load was judged against
+            "limit": self.limit,  # the same number, under its old name (kept for clients)
             "committed": self.committed,
             "loaded": [_loaded_entry(m) for m in self.loaded],
             "suggestions": [s.to_dict() for s in self.suggestions],

@@ -26,7 +26,7 @@ def insufficient_memory(refusal: Refuse, server: int, limit: Limit | None) -> In
     """The 507 for ``refusal``; ``server``: the server's bytes the decision left out of the
     ceiling; ``limit``: the memory limit of that decision (None before any observation)."""
     log.warning(
-        "refused %s: needs %s, available %s, evictable %s, limit %s, committed %s",
+        "refused %s: needs %s, available %s, evictable %s, ceiling %s, committed %s",
         refusal.model,
         format_size(refusal.needed),
         format_size(refusal.available),

@@ -56,6 +56,8 @@ def node_summary(node: dict[str, Any]) -> dict[str, Any]:
         "ceiling": node.get("ceiling"),
         "committed": node.get("committed"),
         "models": node.get("models", []),
+        "gone_at": node.get("gone_at"),
+        "gone_cause": node.get("gone_cause"),
     }
 
 
@@ -105,10 +107,27 @@ async def memory(request: Request, history: bool = False) -> dict[str, Any]:
 
 
 def summary(report: dict[str, Any]) -> dict[str, Any]:
-    """The few numbers `elbowroom ps` shows under its table."""
+    """The few numbers `elbowroom ps` shows under its table. ``scope`` says whose they are:
+    ``machine`` (this server's), or ``cluster``: sums over the live nodes (``nodes`` of
+    them; each node's own numbers are in ``nodes`` of the ps answer), pressure the worst
+    node's."""
+    if report.get("cluster"):
+        totals = report.get("totals") or {}
+        return {
+            "scope": "cluster",
+            "nodes": totals.get("nodes"),
+            "limit": totals.get("limit"),
+            "ceiling": totals.get("ceiling"),
+            "committed": totals.get("committed"),
+            "available": totals.get("available"),
+            "pressure": report.get("pressure"),
+            "worst_node": report.get("worst_node"),
+        }
     limit = report.get("limit")
     return {
+        "scope": "machine",
         "limit": limit.get("value") if isinstance(limit, dict) else limit,
+        "ceiling": report.get("ceiling"),
         "committed": report.get("committed"),
         "available": report.get("available"),
         "pressure": report.get("pressure"),

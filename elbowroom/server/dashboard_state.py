@@ -192,7 +192,38 @@ def node_view(node: Mapping[str, Any]) -> dict[str, Any]:
         "available": int(node.get("available") or 0),
         "ceiling": int(node.get("ceiling") or 0),
         "models": list(node.get("models") or []),
+        "gone_at": node.get("gone_at"),  # a node that left: when, and why (shown a while)
+        "gone_cause": node.get("gone_cause"),
     }
+
+
+def cluster_view(report: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Over a cluster: the sums over the live nodes (what the nodes table's totals line
+    shows) and the node whose numbers the pools and the timeline are (the most pressed)."""
+    if not report.get("cluster"):
+        return None
+    totals: Mapping[str, Any] = report.get("totals") or {}
+    return {
+        "nodes": int(totals.get("nodes") or 0),
+        "worst_node": report.get("worst_node"),
+        "committed": int(totals.get("committed") or 0),
+        "available": int(totals.get("available") or 0),
+        "ceiling": int(totals.get("ceiling") or 0),
+        "limit": int(totals.get("limit") or 0),
+    }
+
+
+def labelled_pools(
+    report: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], latest: Any = None
+) -> list[dict[str, Any]]:
+    """``pools``; over a cluster they are one node's (the most pressed), and say so."""
+    out = pools(report, rows, latest)
+    worst = report.get("worst_node") if report.get("cluster") else None
+    if worst:
+        for pool in out:
+            pool["name"] = f"{pool['name']}, node {worst} (the most pressed node)"
+            pool["node"] = worst
+    return out
 
 
 def timeline(samples: Iterable[Any], since: float, now_wall: float) -> list[list[float]]:
@@ -274,9 +305,10 @@ def build(
             "admission_open": (guard_state or {}).get("admission_open", True),
             "guard_enabled": (guard_state or {}).get("enabled", False),
         },
-        "pools": pools(report, rows, latest),
+        "pools": labelled_pools(report, rows, latest),
         "models": [model_view(r, now_wall) for r in rows],
         "nodes": [node_view(n) for n in report.get("nodes") or ()],
+        "cluster": cluster_view(report),
         "catalog": [{**m, "loaded": m.get("id") in loaded} for m in catalog],
         "timeline_fields": list(TIMELINE_FIELDS),
         "timeline": timeline(samples, since, now_wall),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -42,7 +43,14 @@ def local_cluster(
         "object_store_memory": 80 * MiB,
         "include_dashboard": False,
     }
-    head_args: dict[str, Any] = {**node_args, "env_vars": {"ELBOWROOM_OVERRIDE_MEMORY": head}}
+    # Ray's ports: the GCS, raylets, workers and agents pick free ones, but the head's
+    # dashboard agent defaults to 52365, which another cluster on this machine (another
+    # test run) may hold: a free one here too.
+    head_args: dict[str, Any] = {
+        **node_args,
+        "env_vars": {"ELBOWROOM_OVERRIDE_MEMORY": head},
+        "dashboard_agent_listen_port": free_port(),
+    }
     if fast_failure:
         head_args["_system_config"] = FAST_FAILURE
     if client_port is not None:
@@ -65,6 +73,13 @@ def local_cluster(
             os.environ.pop(OOM_KILLER, None)
         else:
             os.environ[OOM_KILLER] = saved
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 async def wait_for(predicate: Callable[[], bool], deadline: float, what: str) -> None:

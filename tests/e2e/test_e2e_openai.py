@@ -214,8 +214,21 @@ def test_cli_ps_load_unload(server: ServerProcess) -> None:
 
     table = server.cli("ps")
     assert table.returncode == 0 and MODEL in table.stdout and "PINNED" in table.stdout
-    rows = json.loads(server.cli("ps", "--json").stdout)["models"]
+    # The footer says whose numbers these are: this machine's (a cluster says "cluster total").
+    assert table.stdout.strip().splitlines()[-1].startswith("this machine: committed ")
+    ps = json.loads(server.cli("ps", "--json").stdout)
+    rows = ps["models"]
     assert [r["pinned"] for r in rows if r["id"] == MODEL] == [True]
+    assert ps["memory"]["scope"] == "machine" and ps["memory"]["committed"] > 0
+
+    # `elbowroom memory --url`: the running server's numbers (GET /api/memory), not a
+    # standalone probe's (whose committed is always 0).
+    memory = server.cli("memory")
+    assert memory.returncode == 0, memory.stderr
+    assert "one machine (these numbers are this machine's)" in memory.stdout
+    report = json.loads(server.cli("memory", "--json").stdout)
+    assert report["committed"] > 0 and report["ceiling"] > 0 and ps["memory"]["ceiling"] > 0
+    assert "committed  0 B" not in memory.stdout and "by models" in memory.stdout
 
     unloaded = server.cli("unload", MODEL)
     assert unloaded.returncode == 0 and "unloaded" in unloaded.stdout

@@ -129,17 +129,25 @@ function render(data) {
   renderPools(data.pools);
   renderTimeline(data);
   renderModels(data);
-  renderNodes(data.nodes || []);
+  renderNodes(data.nodes || [], data.cluster, data.now);
   renderEvents(data.events);
 }
 
 // ---- cluster nodes (docs/cluster.md) ---------------------------------------------------
 
-function renderNodes(nodes) {
+function renderNodes(nodes, cluster, now) {
   document.getElementById("nodes-section").hidden = nodes.length === 0;
+  document.getElementById("cluster-totals").textContent = cluster
+    ? "cluster total over " + cluster.nodes + " live nodes (sums of the rows below): committed " +
+      size(cluster.committed) + " / ceiling " + size(cluster.ceiling) + ", free " +
+      size(cluster.available) + ". The pools and the timeline above are node " +
+      cluster.worst_node + "'s (the most pressed)."
+    : "";
+  const state = (n) => n.alive ? "up"
+    : n.gone_at ? "gone " + Math.max(0, Math.round(now - n.gone_at)) + " s ago" : "gone";
   const rows = nodes.map((n) => el("tr", { "data-node": n.name, "data-alive": String(n.alive) },
     el("td", {}, el("b", {}, n.name)),
-    el("td", {}, n.alive ? "up" : "gone"),
+    el("td", { title: n.gone_cause || "" }, state(n)),
     el("td", { "data-level": n.pressure || "" }, n.pressure || "–"),
     el("td", { class: "num" }, size(n.committed) + " / " + size(n.ceiling)),
     el("td", { class: "num" }, size(n.available)),

@@ -13,6 +13,7 @@ from elbowroom.scheduler.policy import (
     Evict,
     LoadRequest,
     ModelState,
+    Refuse,
     State,
     Wait,
     decide,
@@ -123,6 +124,35 @@ def test_refusal_names_every_node_numbers() -> None:
     nodes = {n["name"]: n for n in refusal.details()["nodes"]}
     assert nodes["b"]["limit"] == 2 * GiB and nodes["b"]["refusal"]["needed"] == 3 * GiB
     assert nodes["c"]["alive"] is False
+
+
+def test_refusal_text_reads_as_sentences_and_names_the_ceiling() -> None:
+    """A node with nothing held says its whole ceiling is too small (not "2.0 GiB can be
+    made free of 2.0 GiB"); one with a pinned model says how much of its ceiling can be
+    made free; the message ends as a sentence (the router appends the split's reason);
+    the body calls the number ``ceiling`` (``limit`` kept, the same number)."""
+    opts = [
+        option("a", 2 * GiB, need=3 * GiB),
+        option("b", 2 * GiB, (model("p", GiB, pinned=True),), need=3 * GiB),
+    ]
+    refusal = choose("big", opts)
+    assert isinstance(refusal, ClusterRefusal)
+    text = refusal.message()
+    assert "a: needs 3.0 GiB, more than its whole 2.0 GiB load ceiling" in text
+    assert "b: needs 3.0 GiB, only 1.0 GiB of its 2.0 GiB load ceiling can be made free" in text
+    assert "made free of" not in text and text.endswith("--ctx.")
+    for node in refusal.details()["nodes"]:
+        assert node["ceiling"] == node["limit"] == 2 * GiB
+        assert node["refusal"]["ceiling"] == node["refusal"]["limit"] == 2 * GiB
+
+
+def test_single_machine_refusal_text_and_ceiling_field() -> None:
+    state = State((), 2 * GiB)
+    refused = decide(state, LoadRequest("big", 3 * GiB))
+    assert isinstance(refused, Refuse)
+    text = refused.message()
+    assert text.startswith("model 'big' needs 3.0 GiB, more than the whole 2.0 GiB load ceiling")
+    assert refused.details()["ceiling"] == 2 * GiB
 
 
 def test_empty_cluster_refuses_clearly() -> None:

@@ -221,3 +221,26 @@ async def test_a_full_gpu_aborts_and_evicts_the_work_on_that_gpu_first() -> None
     # without the GPU reading the same sample is normal and nothing is done
     plain = PressureGuard(Recorder(loaded=[on_gpu, on_cpu]), budget=cfg)
     assert await plain.apply(sample(500, Pressure.NORMAL, at=1)) == []
+
+
+async def test_the_log_names_the_signal_that_moved_the_level_not_our_small_usage() -> None:
+    """PSI raised the level while our usage is far under the thresholds: the pause, the
+    unload and the 503 gate say PSI did (the log used to give only the usage
+    and the threshold it is under)."""
+    target = Recorder(loaded=[llm("idle", 100, 1.0), llm("busy", 50, 2.0, busy=1)])
+    target.running = [InFlight("r1", "busy", 5.0, 50 * MiB)]
+    guard = PressureGuard(target)
+    psi = "PSI some avg10 19.5% ≥ 10%"
+    actions = await guard.apply(replace(sample(52, Pressure.SOFT), reasons=(psi,)))
+    pause = next(a for a in actions if type(a).__name__ == "PauseLoads")
+    assert psi in pause.message() and "our usage 52.0 MiB is under the soft" in pause.message()
+    unload = next(a for a in actions if type(a).__name__ == "Unload")
+    assert psi in unload.message()
+    hard = "PSI some avg10 55.0% ≥ 40%"
+    actions = await guard.apply(replace(sample(52, Pressure.HARD, at=1.0), reasons=(hard,)))
+    close = next(a for a in actions if type(a).__name__ == "CloseAdmission")
+    assert hard in close.message(), close.message()
+    # Over the threshold in bytes, the usage is the reason given.
+    guard = PressureGuard(Recorder())
+    (pause,) = await guard.apply(replace(sample(900, Pressure.SOFT), reasons=("ours",)))
+    assert pause.message().endswith("usage 900.0 MiB is over the soft threshold 850.0 MiB")

@@ -257,5 +257,33 @@ def test_cluster_nodes_and_where_each_model_runs() -> None:
     doc = build(report={**REPORT, "nodes": nodes}, rows=[{**ROW, "node": "10.0.0.1"}])
     assert doc["models"][0]["node"] == "10.0.0.1"
     up, gone = doc["nodes"]
-    assert up == {**nodes[0]}
+    assert up == {**nodes[0], "gone_at": None, "gone_cause": None}
     assert gone["alive"] is False and gone["models"] == [] and gone["ceiling"] == 0
+    assert doc["cluster"] is None  # no "cluster" key in this report: one machine's shape
+
+
+def test_cluster_numbers_are_labelled_totals_and_the_pools_name_their_node() -> None:
+    nodes = [
+        {"name": "10.0.0.1", "alive": True, "committed": 300 * MiB, "available": GiB,
+         "ceiling": 2 * GiB, "models": []},
+        {"name": "10.0.0.2", "alive": False, "gone_at": 1.0e9, "gone_cause": "node 10.0.0.2 "
+         "stopped answering"},
+    ]  # fmt: skip
+    report = {
+        **REPORT,
+        "cluster": True,
+        "worst_node": "10.0.0.1",
+        "nodes": nodes,
+        "totals": {"nodes": 1, "committed": 300 * MiB, "available": GiB, "ceiling": 2 * GiB,
+                   "limit": 3 * GiB},
+    }  # fmt: skip
+    doc = build(report=report)
+    assert doc["cluster"] == {
+        "nodes": 1, "worst_node": "10.0.0.1", "committed": 300 * MiB, "available": GiB,
+        "ceiling": 2 * GiB, "limit": 3 * GiB,
+    }  # fmt: skip
+    assert doc["pools"][0]["name"].endswith("node 10.0.0.1 (the most pressed node)")
+    gone = doc["nodes"][1]
+    assert gone["gone_at"] == 1.0e9 and "stopped answering" in gone["gone_cause"]
+    # One machine: its pools carry no node.
+    assert "node" not in build()["pools"][0]

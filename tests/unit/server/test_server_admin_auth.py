@@ -26,7 +26,8 @@ def test_load_ps_unload(harness: Harness) -> None:
     ps = harness.client.get("/api/ps").json()
     assert [m["id"] for m in ps["models"]] == ["smollm2-135m"]
     assert ps["models"][0]["engine_stats"] == {"kv_cache": {"entries_ram": 1}}  # from the runner
-    assert ps["memory"] == {"limit": 1000, "committed": 10, "available": 990, "pressure": "normal"}
+    memory = {"limit": 1000, "committed": 10, "available": 990, "pressure": "normal"}
+    assert ps["memory"] == {**memory, "scope": "machine", "ceiling": ps["memory"]["ceiling"]}
     # No body keeps the pin as it is; {"pin": false} unpins.
     assert harness.client.post("/api/models/smollm2-135m/load").json()["pinned"] is True
     r = harness.client.post("/api/models/smollm2-135m/load", json={"pin": False})
