@@ -138,9 +138,9 @@ def test_errors_have_ollama_shape_and_elbowroom_statuses(harness: Harness) -> No
         (
             "POST",
             "/api/generate",
-            {"model": "smollm2-135m", "prompt": "x", "options": {"top_k": 3}},
+            {"model": "smollm2-135m", "prompt": "x", "options": {"tfs_z": 0.9}},
             400,
-            "top_k",
+            "tfs_z",
         ),
         (
             "POST",
@@ -190,11 +190,13 @@ def test_models_ps_version_and_form_encoded_bodies(harness: Harness) -> None:
     c = harness.client
     assert c.get("/api/version").json()["version"].count(".") == 2
     names = [m["name"] for m in c.get("/api/tags").json()["models"]]
-    assert names == ["smollm2-135m"]  # the ASR model is not an Ollama model
+    # Ollama's names carry the tag (langchain's validate_model_on_init compares them exactly)
+    assert names == ["smollm2-135m:latest"]  # the ASR model is not an Ollama model
     harness.scheduler.loaded["smollm2-135m"] = False
     ps = c.get("/api/ps").json()
     entry = ps["models"][0]
-    assert entry["name"] == entry["model"] == entry["id"] == "smollm2-135m"
+    assert entry["name"] == entry["model"] == "smollm2-135m:latest"
+    assert entry["id"] == "smollm2-135m"
     assert entry["size"] == 10 and entry["size_vram"] == 0 and entry["expires_at"]
     assert ps["memory"]["limit"] == 1000
     own = c.get("/api/elbowroom/ps").json()["models"][0]
