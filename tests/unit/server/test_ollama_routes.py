@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from server_fakes import Harness, Script
 
 from elbowroom.engines.requests import TextRequest
-from elbowroom.errors import InsufficientMemory, RunnerCrashed
+from elbowroom.errors import BadRequest, InsufficientMemory, RunnerCrashed
 
 HI = [{"role": "user", "content": "Hi"}]
 
@@ -226,3 +227,13 @@ def test_ollama_requests_are_counted_and_timed(harness: Harness) -> None:
     assert count() == before + 1
     ttft = METRICS.ttft.collect()[0].samples
     assert any(s.labels.get("endpoint") == "ollama_chat" for s in ttft)
+
+
+def test_embed_options_null_are_unset() -> None:
+    """langchain-ollama's OllamaEmbeddings sends every option, null: unset, not a 400
+    (issue 21); an option with a value still means nothing for embeddings."""
+    from elbowroom.server.ollama_routes import _embed_options
+
+    _embed_options({"mirostat": None, "top_k": None, "temperature": None, "num_ctx": None})
+    with pytest.raises(BadRequest, match="no meaning for embeddings"):
+        _embed_options({"mirostat": 2})
