@@ -257,3 +257,13 @@ def test_pydantic_ai(server: ServerProcess) -> None:
         model, output_type=City, model_settings=ModelSettings(max_tokens=60, temperature=0)
     )
     assert isinstance(structured.run_sync("Name a big city and its population.").output, City)
+
+
+def test_plain_chat_answer_has_openais_nulls(server: ServerProcess) -> None:
+    """docs/api.md's response shape: ``choices[].logprobs`` and ``message.refusal`` are
+    there, null (the engine's own answer, relayed directly, left them out)."""
+    with server.http() as http:
+        body = {"model": LLM, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert "logprobs" in choice and choice["logprobs"] is None
+    assert "refusal" in choice["message"] and choice["message"]["refusal"] is None
