@@ -119,8 +119,10 @@ class OnnxEmbedEngine:
             raise BadRequest(f"the embedding engine does not serve {op!r}; it serves 'embed'")
         if self._session is None:
             raise EngineError("the embedding engine is not loaded")
-        inputs = expect(op, payload, EmbedRequest).inputs
-        encodings = self._tokenizer.encode_batch(list(inputs))
+        inputs = [
+            self._text(item, i) for i, item in enumerate(expect(op, payload, EmbedRequest).inputs)
+        ]
+        encodings = self._tokenizer.encode_batch(inputs)
         lengths = [len(e.ids) for e in encodings]
         result: list[np.ndarray | None] = [None] * len(inputs)
         for batch in plan_batches(lengths):
@@ -136,6 +138,20 @@ class OnnxEmbedEngine:
             "embeddings": [v.tolist() for v in result if v is not None],
             "prompt_tokens": tokens,
         }
+
+    def _text(self, item: str | tuple[int, ...], index: int) -> str:
+        """An input's text: token ids (this model's own) decoded with its tokenizer."""
+        if isinstance(item, str):
+            return item
+        size = int(self._tokenizer.get_vocab_size())
+        bad = next((t for t in item if t >= size), None)
+        if bad is not None:
+            raise BadRequest(
+                f"input[{index}] has token id {bad}; this model's tokenizer has {size} "
+                "(ids sent to a model by its own name are in its own tokenizer)",
+                param="input",
+            )
+        return str(self._tokenizer.decode(list(item), skip_special_tokens=True))
 
     def _embed(self, encodings: list[Any]) -> np.ndarray:
         width = max(len(e.ids) for e in encodings)

@@ -454,6 +454,8 @@ class LlamaEngine:
         ):
             if value is not None:
                 body[key] = value
+        if request.samplers:
+            body.update(request.samplers)  # top_k, min_p, mirostat...: llama.cpp's own names
         if request.stop:
             body["stop"] = list(request.stop)
         if request.kind == "completion":

@@ -46,6 +46,14 @@ MIN_SHARED_CHARS = 64
 # A request waits at most this long for a slot held by a save (one slot's state to disk):
 # past it the runner is stuck, and the request gets a 503 that says so.
 SLOT_WAIT_S = 60.0
+# A busy slot whose prompt shares at least this much more with a request than every free
+# slot does is worth waiting for (see ``Slots.acquire``): ~256 tokens.
+MIN_WAIT_CHARS = 1024
+CHARS_PER_TOKEN = 3  # shared characters to tokens to recompute (a generous estimate)
+# Prefill speed assumed until the engine has reported one (tokens/s); a slow guess only
+# waits longer for a slot that then saves that long prefill.
+DEFAULT_PREFILL_TPS = 200.0
+MAX_PREFIX_WAIT_S = 120.0
 
 
 def is_slot_state(blob: bytes) -> bool:
@@ -89,7 +97,10 @@ class Slots:
         self._free = set(range(slots))  # slots no request is running on (or being saved)
         self.waiting = 0  # requests waiting for a slot that a save holds
         self._last_key = dict.fromkeys(range(slots), "")
+        self._last_len = dict.fromkeys(range(slots), 0)  # of the whole key, before the cut
         self._last_used = dict.fromkeys(range(slots), 0.0)
+        self._prefill_tps = 0.0  # the engine's measured prefill speed (tokens/s), 0: unknown
+        self.prefix_waits = 0  # requests that waited for the busy slot holding their prefix
         # Each slot's last prompt, rendered and tokenized (when the disk tier was looked
         # up for it): the next request of a conversation extends it, and only the new part
         # needs the tokenizer; a save reuses it when it was tokenized whole.
@@ -123,6 +134,20 @@ class Slots:
     # ---- slot assignment ---------------------------------------------------------------
 
     def acquire(self, key: str) -> int:
+        """A slot for a request whose text (in order) is ``key``: the free slot that shares
+        the longest beginning with it, else the least recently used.
+
+        When a *busy* slot holds a much longer shared beginning than any free slot, the
+        request waits for that slot — at most as long as recomputing the difference would
+        take — instead of prefilling it again elsewhere. The engine's prompt cache only
+        keeps idle slots' prompts, so a prompt whose stream is still running (a client
+        that read one token and dropped the stream without closing it: the server sees a
+        live connection until the client's garbage collector closes it, and the short
+        answer runs to its end) exists nowhere else; a close that reaches the runner a
+        moment after the next request is the same race. On a machine whose cores the
+        prefills share, running the two prefills side by side would not have been faster.
+        """
+        whole = len(key)
         key = key[:MAX_KEY_CHARS]
 
         def score(s: int) -> tuple[int, float]:
@@ -145,22 +170,62 @@ class Slots:
                         )
                 finally:
                     self.waiting -= 1
-            slot = max(self._free, key=score)
+            deadline: float | None = None
+            while True:
+                slot = max(self._free, key=score)
+                gain = self._busy_gain(key, whole, score(slot)[0])
+                if gain <= 0:
+                    break
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + self._recompute_seconds(gain)
+                    self.prefix_waits += 1
+                    log.info(
+                        "a busy slot holds %d more characters of this prompt than any free "
+                        "one: waiting up to %.1f s for it",
+                        gain,
+                        deadline - now,
+                    )
+                if now >= deadline:
+                    log.info("the slot holding this prompt's prefix stayed busy: recomputing")
+                    break
+                self._slot_freed.wait(deadline - now)
             self._free.discard(slot)
             self._last_key[slot] = key
+            self._last_len[slot] = whole
             self._last_used[slot] = time.monotonic()
             return slot
+
+    def _busy_gain(self, key: str, whole: int, free_shared: int) -> int:
+        """Characters a busy slot shares with ``key`` beyond the best free slot's ``free_
+        shared``, when that is worth waiting for (else 0). Called with the lock held."""
+        best = 0
+        for s, last in self._last_key.items():
+            if s in self._free or not last:
+                continue
+            shared = _text_prefix(last, key)
+            if shared >= MAX_KEY_CHARS - 1:  # both go on past the cut: as long as the shorter
+                shared = min(whole, self._last_len[s])
+            best = max(best, shared)
+        gain = best - free_shared
+        return gain if gain >= MIN_WAIT_CHARS else 0
+
+    def _recompute_seconds(self, chars: int) -> float:
+        tps = self._prefill_tps or DEFAULT_PREFILL_TPS
+        return min(MAX_PREFIX_WAIT_S, chars / CHARS_PER_TOKEN / tps)
 
     def release(self, slot: int) -> None:
         with self._lock:
             self._free.add(slot)
-            self._slot_freed.notify()
+            # all: a request waiting for this slot's prefix, and one waiting for any slot
+            self._slot_freed.notify_all()
 
     def erase(self, slot: int) -> None:
         """Wipe ``slot``'s KV state (a cache-isolated request ran on it) and forget what it
         served, so nothing of it is reused, moved to the prompt cache or saved to disk."""
         with self._lock:
             self._last_key[slot] = ""
+            self._last_len[slot] = 0
             self._known[slot] = _Tokenized()
             self._prompts.pop(slot, None)
         try:
@@ -206,7 +271,14 @@ class Slots:
         return int(hit.n_tokens)
 
     def observe_prefill(self, timings: dict[str, Any]) -> None:
-        """The engine's measured prefill speed teaches the restore-vs-recompute model."""
+        """The engine's measured prefill speed teaches the restore-vs-recompute model, and
+        how long a request may wait for the busy slot that holds its prefix."""
+        n, ms = timings.get("prompt_n", 0), timings.get("prompt_ms", 0)
+        if n >= 64 and ms > 0:  # a few tokens' prefill says little about a long one's
+            tps = n / (ms / 1000)
+            self._prefill_tps = (
+                tps if not self._prefill_tps else 0.7 * self._prefill_tps + 0.3 * tps
+            )
         if self._cache is not None and timings.get("prompt_n", 0) > 0:
             self._cache.observe_prefill(int(timings["prompt_n"]), timings["prompt_ms"] / 1000)
 

@@ -45,6 +45,7 @@ class TextRequest:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    samplers: dict[str, int | float] | None = None  # llama.cpp's by name (schemas.SAMPLERS)
     response_format: dict[str, Any] | None = None  # OpenAI's shape
     tools: tuple[dict[str, Any], ...] = ()  # OpenAI's function tools
     tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | named
@@ -71,6 +72,9 @@ class TranscribeRequest:
     language: str | None = None  # trimmed, lower case ("en"); None: the model detects it
     prompt: str | None = None
     temperature: float | None = None  # 0..1; None or 0: the engine's fallback schedule
+    # translate: English text of speech in any language (whisper's task; an English-only
+    # model's audio is English, so it transcribes)
+    task: Literal["transcribe", "translate"] = "transcribe"
 
     def require_english(self) -> None:
         """For a model that knows only English: any other language is a bad request (no
@@ -95,9 +99,10 @@ class SpeechRequest:
 
 @dataclass(frozen=True, kw_only=True)
 class EmbedRequest:
-    """Text embeddings: 1..max_embedding_inputs strings, each with text."""
+    """Text embeddings: 1..max_embedding_inputs strings, each with text, or token-id arrays
+    in the model's own tokenizer (the engine decodes them; server/token_inputs.py)."""
 
-    inputs: tuple[str, ...]
+    inputs: tuple[str | tuple[int, ...], ...]
 
 
 Payload = TextRequest | DirectClose | TranscribeRequest | SpeechRequest | EmbedRequest

@@ -56,6 +56,8 @@ class WhisperEngine:
         # temperature 0 / unset: faster-whisper's fallback schedule (0.0, 0.2, ... 1.0), as
         # OpenAI does; otherwise sample at exactly the requested temperature.
         temperature: Any = {} if not req.temperature else {"temperature": req.temperature}
+        if multilingual:
+            temperature["task"] = req.task  # an English-only model only transcribes
         try:
             pieces, info = self._model.transcribe(
                 audio, language=req.language, initial_prompt=req.prompt, **temperature

@@ -53,6 +53,11 @@ class Problem:
     reason: str
 
 
+# Ollama's default tag: "smollm2-135m:latest" names the model "smollm2-135m" everywhere (an id
+# is a slug, so it never has a tag of its own); /api/tags and /api/ps list names with it.
+LATEST = ":latest"
+
+
 class Catalog:
     def __init__(self, specs: Iterable[ModelSpec], problems: Iterable[Problem] = ()) -> None:
         self._specs: dict[str, ModelSpec] = {}
@@ -67,6 +72,8 @@ class Catalog:
 
     def get(self, model_id: str) -> ModelSpec:
         spec = self._specs.get(model_id) if isinstance(model_id, str) else None
+        if spec is None and isinstance(model_id, str) and model_id.endswith(LATEST):
+            spec = self._specs.get(model_id[: -len(LATEST)])  # Ollama's name of the same
         if spec is None:
             raise ModelNotFound(str(model_id))
         return spec

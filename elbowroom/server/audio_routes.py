@@ -1,10 +1,11 @@
-"""OpenAI audio routes: /v1/audio/transcriptions (speech to text), /v1/audio/speech (text to
-speech). Inputs are checked here, once, before a model is loaded (a bad request costs no
-memory), into the engine's typed request (engines/requests.py): the engine only translates."""
+"""OpenAI audio routes: /v1/audio/transcriptions (speech to text), /v1/audio/translations
+(speech to English text), /v1/audio/speech (text to speech). Inputs are checked here, once,
+before a model is loaded (a bad request costs no memory), into the engine's typed request
+(engines/requests.py): the engine only translates."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -30,7 +31,19 @@ router = APIRouter(prefix="/v1")
 
 @router.post("/audio/transcriptions")
 async def transcriptions(request: Request) -> Response:
+    return await _speech_to_text(request, "transcribe")
+
+
+@router.post("/audio/translations")
+async def translations(request: Request) -> Response:
+    """Speech in any language the model knows to English text (whisper's translate task;
+    a model that knows only English transcribes: its audio is English already)."""
+    return await _speech_to_text(request, "translate")
+
+
+async def _speech_to_text(request: Request, task: Literal["transcribe", "translate"]) -> Response:
     services = get_services(request)
+    endpoint = f"/v1/audio/{'translations' if task == 'translate' else 'transcriptions'}"
     async with receive_form(request, max_file=services.settings.max_upload) as form:
         if form.file is None:
             raise BadRequest("Missing required parameter: 'file'", param="file")
@@ -39,16 +52,23 @@ async def transcriptions(request: Request) -> Response:
             form.get("model"),
             ModelKind.ASR,
             TRANSCRIPTION_ALIASES,
-            "/v1/audio/transcriptions",
+            endpoint,
         )
         record_model(request, spec)
         response_format = _transcription_options(form)
         language = (form.get("language") or "").strip().lower()
+        if task == "translate" and language:
+            raise BadRequest(
+                "translations detect the spoken language and always answer in English: "
+                "leave language out (or use /v1/audio/transcriptions)",
+                param="language",
+            )
         payload = TranscribeRequest(
             audio_path=str(form.file.path),
             language=language or None,
             prompt=form.get("prompt") or None,
             temperature=_temperature(form.get("temperature")),
+            task=task,
         )
         keep_alive = parse_keep_alive(form.get("keep_alive"))
         result = await run_once(services.scheduler, spec.id, keep_alive, "transcribe", payload)

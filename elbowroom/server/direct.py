@@ -190,6 +190,12 @@ class DirectStream:
                 raise translate_error(err)
             self._account(chunk)
             chunk["model"] = self.model
+            for choice in chunk.get("choices") or ():
+                # OpenAI's shape (docs/api.md) has both, null when there is nothing to say;
+                # some clients read them unconditionally.
+                choice.setdefault("logprobs", None)
+                if isinstance(choice.get("message"), dict):
+                    choice["message"].setdefault("refusal", None)
             return chunk
         except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
             failure = await self._lost(exc)

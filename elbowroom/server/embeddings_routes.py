@@ -1,10 +1,12 @@
-"""OpenAI /v1/embeddings: strings in, unit-length vectors out (float lists or base64).
+"""OpenAI /v1/embeddings: strings (or token ids) in, unit-length vectors out (float lists or
+base64).
 
 ``check_inputs`` is the one check of the inputs (Ollama's routes use it too); it builds the
 engine's ``EmbedRequest`` (engines/requests.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import struct
 from typing import Any, Literal
@@ -19,6 +21,7 @@ from elbowroom.models.spec import ModelKind
 from elbowroom.server.deps import get_services, parse_keep_alive
 from elbowroom.server.metrics import record_model
 from elbowroom.server.model_calls import EMBEDDING_ALIASES, resolve_model, run_once
+from elbowroom.server.token_inputs import cl100k_vocab, decode_cl100k, token_arrays
 
 router = APIRouter(prefix="/v1")
 
@@ -33,9 +36,11 @@ class EmbeddingsRequest(BaseModel):
     keep_alive: int | float | str | None = None
 
 
-def check_inputs(raw: Any, limit: int) -> EmbedRequest:
+def check_inputs(raw: Any, limit: int, *, tokens: bool = False) -> EmbedRequest:
     """The engine's request: a string or a list of non-empty strings, at most ``limit`` of
-    them (the one check; OpenAI's and Ollama's routes share it)."""
+    them (the one check; OpenAI's and Ollama's routes share it). ``tokens``: token-id
+    arrays are accepted too (OpenAI's route; server/token_inputs.py), left for the route
+    or the engine to decode."""
     if raw is None:
         raise BadRequest("Missing required parameter: 'input'", param="input")
     items = [raw] if isinstance(raw, str) else raw
@@ -43,23 +48,41 @@ def check_inputs(raw: Any, limit: int) -> EmbedRequest:
         raise BadRequest("input must be a string or a list of strings", param="input")
     if not items:
         raise BadRequest("input must not be empty", param="input")
-    for i, item in enumerate(items):
-        if isinstance(item, int | list) and not isinstance(item, bool):
-            raise BadRequest(
-                "token-id arrays are not supported as input; send the text as strings",
-                param="input",
-            )
+    arrays = token_arrays(items)
+    if arrays is not None and not tokens:
+        raise BadRequest(
+            "token-id arrays are not supported as input here; send the text as strings",
+            param="input",
+        )
+    inputs: tuple[str | tuple[int, ...], ...] = arrays or tuple(items)
+    for i, item in enumerate(inputs):
+        if isinstance(item, tuple):
+            continue
         if not isinstance(item, str):
             raise BadRequest(f"input[{i}] must be a string", param="input")
         if not item.strip():
             raise BadRequest(f"input[{i}] is empty; every input must have text", param="input")
-    if len(items) > limit:
+    if len(inputs) > limit:
         raise BadRequest(
-            f"input has {len(items)} items; at most {limit} are allowed per request "
+            f"input has {len(inputs)} items; at most {limit} are allowed per request "
             "(ELBOWROOM_MAX_EMBEDDING_INPUTS)",
             param="input",
         )
-    return EmbedRequest(inputs=tuple(items))
+    return EmbedRequest(inputs=inputs)
+
+
+async def decode_for_alias(payload: EmbedRequest) -> EmbedRequest:
+    """Token ids sent to an OpenAI model name were counted with cl100k_base: decoded here,
+    the engine gets text (server/token_inputs.py)."""
+    if not any(isinstance(item, tuple) for item in payload.inputs):
+        return payload
+    await asyncio.to_thread(cl100k_vocab)  # the first time: ~0.2 s off the event loop
+    return EmbedRequest(
+        inputs=tuple(
+            decode_cl100k(item, i) if isinstance(item, tuple) else item
+            for i, item in enumerate(payload.inputs)
+        )
+    )
 
 
 def encode_base64(vector: list[float]) -> str:
@@ -70,12 +93,14 @@ def encode_base64(vector: list[float]) -> str:
 @router.post("/embeddings")
 async def embeddings(request: Request, body: EmbeddingsRequest) -> JSONResponse:
     services = get_services(request)
-    payload = check_inputs(body.input, services.settings.max_embedding_inputs)
+    payload = check_inputs(body.input, services.settings.max_embedding_inputs, tokens=True)
     if body.dimensions is not None and body.dimensions < 1:
         raise BadRequest("dimensions must be a positive integer", param="dimensions")
     spec = resolve_model(
         services.catalog, body.model, ModelKind.EMBEDDING, EMBEDDING_ALIASES, "/v1/embeddings"
     )
+    if spec.id != (body.model or "").removesuffix(":latest"):  # an alias: cl100k ids
+        payload = await decode_for_alias(payload)
     record_model(request, spec)
     keep_alive = parse_keep_alive(body.keep_alive)
     result = await run_once(services.scheduler, spec.id, keep_alive, "embed", payload)

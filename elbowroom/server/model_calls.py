@@ -17,15 +17,37 @@ from elbowroom.server.deps import CatalogService, SchedulerService
 
 TRANSCRIPTION_ALIASES: Mapping[str, tuple[str, ...]] = {
     "whisper-1": ("whisper-tiny.en", "sphinx-en-us"),
+    "gpt-4o-mini-transcribe": ("whisper-tiny.en", "sphinx-en-us"),
+    "gpt-4o-transcribe": ("whisper-tiny.en", "sphinx-en-us"),
 }
 SPEECH_ALIASES: Mapping[str, tuple[str, ...]] = {
     "tts-1": ("piper-en-us-joe",),
     "tts-1-hd": ("piper-en-us-joe",),
+    "gpt-4o-mini-tts": ("piper-en-us-joe",),
 }
 EMBEDDING_ALIASES: Mapping[str, tuple[str, ...]] = {
     "text-embedding-3-small": ("minilm-l6-v2",),
     "text-embedding-ada-002": ("minilm-l6-v2",),
 }
+
+
+ALIASES: tuple[Mapping[str, tuple[str, ...]], ...] = (
+    TRANSCRIPTION_ALIASES,
+    SPEECH_ALIASES,
+    EMBEDDING_ALIASES,
+)
+
+
+def alias_target(catalog: CatalogService, name: str) -> ModelSpec | None:
+    """The model an OpenAI alias (``whisper-1``, ...) stands for here; None: not an alias,
+    or none of its targets is in the catalog."""
+    for aliases in ALIASES:
+        if name in aliases:
+            try:
+                return _alias(catalog, name, aliases)
+            except ModelNotFound:
+                return None
+    return None
 
 
 def resolve_model(

@@ -8,6 +8,7 @@ import hashlib
 from collections.abc import Mapping
 from typing import Any
 
+from elbowroom.models.catalog import LATEST
 from elbowroom.models.spec import ModelKind, ModelSpec
 from elbowroom.server.ollama_shapes import iso_at
 
@@ -66,11 +67,16 @@ def capabilities(spec: ModelSpec) -> list[str]:
     return []
 
 
+def ollama_name(spec: ModelSpec) -> str:
+    """The model's name as Ollama lists it, with its tag (every route takes either)."""
+    return spec.id + LATEST
+
+
 def tag(spec: ModelSpec) -> dict[str, Any]:
     """One entry of /api/tags."""
     return {
-        "name": spec.id,
-        "model": spec.id,
+        "name": ollama_name(spec),
+        "model": ollama_name(spec),
         "modified_at": modified_at(spec),
         "size": spec.size_bytes,
         "digest": digest(spec),
@@ -137,8 +143,8 @@ def ps_entry(spec: ModelSpec, row: Mapping[str, Any], now_wall: float) -> dict[s
     forever = iso_at(min(now_wall + FOREVER_SECONDS, 253402300799.0))  # year 9999 at most
     return {
         **row,
-        "name": spec.id,
-        "model": spec.id,
+        "name": ollama_name(spec),
+        "model": ollama_name(spec),
         "size": int(row.get("bytes") or 0) + gpu,
         "size_vram": gpu,
         "digest": digest(spec),

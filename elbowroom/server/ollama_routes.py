@@ -309,8 +309,10 @@ def _engine_messages(
 
 
 def _embed_options(options: dict[str, Any] | None) -> None:
-    for key in options or {}:
-        if key not in shapes.NO_EFFECT_OPTIONS and key != "num_ctx":
+    """A sampling option means nothing to an embedding model: a 400 when it has a value.
+    A null one is unset (langchain-ollama's OllamaEmbeddings sends every option, null)."""
+    for key, value in (options or {}).items():
+        if value is not None and key not in shapes.NO_EFFECT_OPTIONS and key != "num_ctx":
             raise BadRequest(f"options.{key} has no meaning for embeddings", param=key)
 
 

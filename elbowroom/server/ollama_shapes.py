@@ -46,6 +46,15 @@ _OPENAI_OPTIONS = {
     "stop": "stop",
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
+    # llama.cpp's samplers, under the same names on /v1 (server/schemas.SAMPLERS)
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "typical_p": "typical_p",
+    "repeat_penalty": "repeat_penalty",
+    "repeat_last_n": "repeat_last_n",
+    "mirostat": "mirostat",
+    "mirostat_tau": "mirostat_tau",
+    "mirostat_eta": "mirostat_eta",
 }
 # How a model is loaded and run, which elbowroom decides from its memory budget: accepted
 # (clients send them by habit) and without effect.
@@ -66,21 +75,9 @@ NO_EFFECT_OPTIONS = frozenset(
         "num_keep",
     }
 )
-# Sampling options that would change the output and that the engine does not take.
-UNSUPPORTED_OPTIONS = frozenset(
-    {
-        "top_k",
-        "min_p",
-        "typical_p",
-        "tfs_z",
-        "repeat_last_n",
-        "repeat_penalty",
-        "mirostat",
-        "mirostat_tau",
-        "mirostat_eta",
-        "penalize_newline",
-    }
-)
+# Sampling options that would change the output and that the engine does not take (llama.cpp
+# dropped both samplers).
+UNSUPPORTED_OPTIONS = frozenset({"tfs_z", "penalize_newline"})
 
 
 # --- requests ---------------------------------------------------------------------------
@@ -93,6 +90,10 @@ class Message(BaseModel):
     images: list[Any] | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_name: str | None = None
+    # Not Ollama's own, but what its clients send on a tool result (ChatOllama, litellm's
+    # ollama_chat/): the call id, or the tool's name under OpenAI's key.
+    tool_call_id: str | None = None
+    name: str | None = None
     thinking: str | None = None
 
 
@@ -175,9 +176,10 @@ def options_to_openai(options: Mapping[str, Any] | None) -> tuple[dict[str, Any]
             num_ctx = value
         elif key in UNSUPPORTED_OPTIONS:
             raise BadRequest(
-                f"options.{key} is not supported by elbowroom's engine; remove it (supported: "
-                "temperature, top_p, seed, stop, num_predict, presence_penalty, "
-                "frequency_penalty, num_ctx)",
+                f"options.{key} is not supported by elbowroom's engine (llama.cpp dropped that "
+                "sampler); remove it (supported: num_predict, num_ctx, "
+                + ", ".join(_OPENAI_OPTIONS)
+                + ")",
                 param=key,
                 code="unsupported_option",
             )
@@ -247,9 +249,15 @@ def _common_fields(body: _Common) -> dict[str, Any]:
 
 
 def chat_to_openai(body: ChatBody) -> dict[str, Any]:
-    """The OpenAI chat request for an Ollama /api/chat request with messages."""
+    """The OpenAI chat request for an Ollama /api/chat request with messages.
+
+    Ollama itself does not pair a tool result with its call; the OpenAI schema does, so a
+    result is matched to the call it answers: by its ``tool_call_id`` when an earlier call
+    has that id, else by the tool's name (``tool_name``, or ``name``) among the calls not
+    yet answered, else to the first call not yet answered. Calls without an id get
+    ``call_{message}_{index}``."""
     messages: list[dict[str, Any]] = []
-    call_ids: dict[str, str] = {}  # tool name -> id of its latest call, for tool results
+    open_calls: list[tuple[str, str]] = []  # (id, tool name) of calls with no result yet
     for i, m in enumerate(body.messages):
         content = _with_images(m.content or "", m.images, f"messages[{i}].images")
         out: dict[str, Any] = {"role": m.role, "content": content}
@@ -259,7 +267,7 @@ def chat_to_openai(body: ChatBody) -> dict[str, Any]:
                 fn = call.get("function") or {}
                 name = str(fn.get("name", ""))
                 call_id = str(call.get("id") or f"call_{i}_{j}")
-                call_ids[name] = call_id
+                open_calls.append((call_id, name))
                 args = fn.get("arguments", {})
                 out["tool_calls"].append(
                     {
@@ -272,15 +280,32 @@ def chat_to_openai(body: ChatBody) -> dict[str, Any]:
                     }
                 )
         if m.role == "tool":
-            name = m.tool_name or ""
-            out["tool_call_id"] = call_ids.get(name, f"call_{name or i}")
-            if m.tool_name:
-                out["name"] = m.tool_name
+            name = m.tool_name or m.name or ""
+            out["tool_call_id"] = _answered_call(open_calls, m.tool_call_id, name, i)
+            if name:
+                out["name"] = name
         messages.append(out)
     request = {**_common_fields(body), "messages": messages}
     if body.tools:
         request["tools"] = body.tools
     return request
+
+
+def _answered_call(
+    open_calls: list[tuple[str, str]], call_id: str | None, name: str, i: int
+) -> str:
+    """The id of the call a tool result answers (taken off ``open_calls``)."""
+    for match in (
+        lambda c: c[0] == call_id,
+        lambda c: bool(name) and c[1] == name,
+        lambda c: True,
+    ):
+        for k, call in enumerate(open_calls):
+            if match(call):
+                del open_calls[k]
+                return call[0]
+    # No call to answer: the schema's check names the problem.
+    return call_id or f"call_{name or i}"
 
 
 def generate_to_openai(body: GenerateBody) -> tuple[Literal["chat", "completion"], dict[str, Any]]:

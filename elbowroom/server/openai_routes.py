@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from elbowroom.errors import BadRequest, ElbowroomError
+from elbowroom.errors import BadRequest, ElbowroomError, ModelNotFound
 from elbowroom.models.spec import ModelKind, ModelSpec
 from elbowroom.models.vision import capabilities
 from elbowroom.server.deps import get_services, parse_keep_alive
@@ -19,6 +19,7 @@ from elbowroom.server.direct import open_direct
 from elbowroom.server.errors import public_error
 from elbowroom.server.images import check_chat_images
 from elbowroom.server.metrics import record_model, record_tokens
+from elbowroom.server.model_calls import alias_target
 from elbowroom.server.schemas import ChatCompletionRequest, CompletionRequest
 from elbowroom.server.shapes import Envelope, Logprobs
 from elbowroom.server.sse import (
@@ -67,7 +68,14 @@ async def list_models(request: Request) -> dict[str, Any]:
 # model_not_found 404 instead of an unknown-route 404.
 @router.get("/models/{model_id:path}")
 async def get_model(request: Request, model_id: str) -> dict[str, Any]:
-    return model_card(get_services(request).catalog.get(model_id))
+    catalog = get_services(request).catalog
+    try:
+        return model_card(catalog.get(model_id))
+    except ModelNotFound:
+        target = alias_target(catalog, model_id)  # whisper-1, tts-1, text-embedding-3-small
+        if target is None:
+            raise
+        return {**model_card(target), "id": model_id, "root": target.id}
 
 
 @router.post("/chat/completions")

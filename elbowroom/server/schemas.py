@@ -45,6 +45,17 @@ KeepAlive = int | float | str
 SEED_MODULUS = 0xFFFFFFFF
 MAX_TOP_LOGPROBS = 20  # chat (OpenAI's limit)
 MAX_LEGACY_LOGPROBS = 5  # /v1/completions (OpenAI's limit)
+# llama.cpp samplers both routes take under llama.cpp's (and Ollama's) names, passed through.
+SAMPLERS = (
+    "top_k",
+    "min_p",
+    "typical_p",
+    "repeat_penalty",
+    "repeat_last_n",
+    "mirostat",
+    "mirostat_tau",
+    "mirostat_eta",
+)
 
 
 class _SharedFields(TypedDict):
@@ -57,6 +68,7 @@ class _SharedFields(TypedDict):
     presence_penalty: float | None
     frequency_penalty: float | None
     logit_bias: dict[str, float] | None
+    samplers: dict[str, int | float] | None
     isolated: bool
     stream: bool
 
@@ -93,6 +105,16 @@ class _Sampling(_Refusing):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     logit_bias: dict[str, Bias] | None = None
+    # llama.cpp's own samplers, as its server takes them on /v1 (Ollama's options of the
+    # same names map here): SAMPLERS.
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    typical_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repeat_penalty: Annotated[float, Field(ge=0.0)] | None = None
+    repeat_last_n: Annotated[int, Field(ge=-1)] | None = None
+    mirostat: Annotated[int, Field(ge=0, le=2)] | None = None
+    mirostat_tau: Annotated[float, Field(ge=0.0)] | None = None
+    mirostat_eta: Annotated[float, Field(ge=0.0)] | None = None
     n: int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -151,6 +173,7 @@ class _Sampling(_Refusing):
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "logit_bias": self.logit_bias,
+            "samplers": {k: v for k in SAMPLERS if (v := getattr(self, k)) is not None} or None,
             "isolated": self.cache_salt is not None,
             "stream": bool(self.stream),
         }

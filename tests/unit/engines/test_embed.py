@@ -101,3 +101,17 @@ def test_mean_pool_ignores_padding() -> None:
 def test_missing_tokenizer_is_a_load_error() -> None:
     with pytest.raises(EngineError, match=r"tokenizer\.json"):
         OnnxEmbedEngine().load(replace(bundled_spec("minilm-l6-v2"), options={}), EngineOptions())
+
+
+@pytest.mark.slow
+def test_token_ids_in_the_models_own_tokenizer_embed_like_their_text(
+    engine: OnnxEmbedEngine,
+) -> None:
+    """/v1/embeddings with the model named by its id: token ids are the model's own
+    (issue 21), decoded with its tokenizer; an id past its vocabulary is a 400."""
+    ids = tuple(engine._tokenizer.encode("the sea is wide", add_special_tokens=False).ids)
+    out = engine.run("embed", EmbedRequest(inputs=(ids,)), lambda _: None, lambda: False)
+    text = embed(engine, ["the sea is wide"])["embeddings"][0]
+    assert out["embeddings"][0] == pytest.approx(text, abs=1e-5)
+    with pytest.raises(BadRequest, match="tokenizer has"):
+        engine.run("embed", EmbedRequest(inputs=((10**7,),)), lambda _: None, lambda: False)

@@ -168,6 +168,33 @@ def test_a_conversation_keeps_its_slot_and_strangers_take_the_least_recent() -> 
     assert busy != a
 
 
+def test_a_prompt_whose_slot_is_busy_waits_for_it_rather_than_recomputing() -> None:
+    """Issue 21's dropped stream: the only copy of a long prompt is in a slot whose stream
+    still runs (or whose close is a moment late); the next request with that prefix waits
+    for that slot (it got another slot and prefilled all of it again before). A slot that
+    does not come free within the prefill's estimated time is not waited for longer."""
+    control = cast(EngineControl, _NoControl())
+    slots = Slots(control, 3, None, save_dir=Path("/nonexistent"), block_tokens=64)
+    prefix = "system: " + "".join(f"Rule {i}: check shelf {i % 17}.\n" for i in range(200))
+    first = slots.acquire(prefix + "user: question one")
+    other = slots.acquire("user: an unrelated request")
+    slots.release(other)
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(slots.acquire(prefix + "user: two")))
+    waiter.start()
+    deadline = time.monotonic() + 30
+    while slots.prefix_waits < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert slots.prefix_waits == 1 and not got  # waiting, though two slots are free
+    slots.release(first)
+    waiter.join(30)
+    assert got == [first]
+    # The slot stays busy: after the estimated recompute time, another slot is taken.
+    slots.observe_prefill({"prompt_n": 100_000, "prompt_ms": 1000.0})  # ~0.02 s to recompute
+    elsewhere = slots.acquire(prefix + "user: three")
+    assert elsewhere != first and slots.prefix_waits == 2
+
+
 def test_only_engine_slot_files_are_stored() -> None:
     good = SEQ_MAGIC.to_bytes(4, "little") + (4).to_bytes(4, "little") + b"\0" * 8
     assert is_slot_state(good)

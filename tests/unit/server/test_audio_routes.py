@@ -370,3 +370,34 @@ def test_a_file_part_without_a_filename_is_still_the_file() -> None:
             return form.file.size
 
     assert anyio.run(main) == 30_000
+
+
+def test_translations_aliases_and_alias_model_cards(
+    app_parts: tuple[TestClient, Scheduler],
+) -> None:
+    """Issue 21: /v1/audio/translations (whisper's translate task), the gpt-4o-mini aliases,
+    and GET /v1/models/<alias> (a 404 before, though the alias worked on POST)."""
+    client, scheduler = app_parts
+    r = client.post(
+        "/v1/audio/translations",
+        data={"model": "gpt-4o-mini-transcribe"},
+        files={"file": ("clip.wav", b"audio!", "audio/wav")},
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["text"] == "Hello there. General Kenobi."
+    model, op, payload = scheduler.calls[-1]
+    assert (model, op, payload.task) == ("whisper-tiny.en", "transcribe", "translate")
+    r = client.post(
+        "/v1/audio/translations",
+        data={"model": "whisper-1", "language": "fr"},
+        files={"file": ("clip.wav", b"audio!", "audio/wav")},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "language"
+    assert transcribe(client, {"model": "whisper-1"}).status_code == 200
+    assert scheduler.calls[-1][2].task == "transcribe"
+    speech = client.post("/v1/audio/speech", json={"model": "gpt-4o-mini-tts", "input": "hi"})
+    assert speech.status_code == 200 and scheduler.calls[-1][0] == "piper-en-us-joe"
+    card = client.get("/v1/models/whisper-1").json()
+    assert card["id"] == "whisper-1" and card["root"] == "whisper-tiny.en"
+    assert client.get("/v1/models/gpt-4o-mini-tts").json()["root"] == "piper-en-us-joe"
+    assert client.get("/v1/models/text-embedding-3-small").status_code == 404  # none here

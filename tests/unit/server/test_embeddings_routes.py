@@ -102,8 +102,11 @@ def test_a_single_string_is_one_input(parts: tuple[TestClient, Scheduler]) -> No
         ({"input": ""}, 400, "input[0] is empty"),
         ({"input": ["ok", " "]}, 400, "input[1] is empty"),
         ({"input": ["a", "b", "c"]}, 400, "at most 2"),
-        ({"input": [1, 2, 3]}, 400, "token-id arrays are not supported"),
-        ({"input": [[1, 2]]}, 400, "token-id arrays are not supported"),
+        ({"input": [[1, "a"]]}, 400, "list of token ids"),
+        ({"input": [1, [2]]}, 400, "not a mix"),
+        ({"input": [[]]}, 400, "empty token list"),
+        ({"input": [[-1]]}, 400, "list of token ids"),
+        ({"input": [[1] * 8193]}, 400, "at most 8192"),
         ({"input": {"text": "x"}}, 400, "string or a list"),
         ({}, 400, "Missing required parameter: 'input'"),
         ({"input": "x", "encoding_format": "int8"}, 400, "encoding_format"),
@@ -172,3 +175,31 @@ def test_a_model_the_route_rejects_leaves_no_new_label(
     assert requests_total("smollm2-135m", "400") == wrong_kind
     assert requests_total("minilm-l6-v2", "400") == named
     assert requests_total("no-such-label", "404") == 0
+
+
+def test_token_ids_for_an_openai_name_are_decoded_with_cl100k(
+    parts: tuple[TestClient, Scheduler],
+) -> None:
+    """LangChain's OpenAIEmbeddings() sends tiktoken ids ([[15339, 1917]] is "hello world"
+    in cl100k_base): for an OpenAI model name the engine gets the text (a 400 before)."""
+    client, scheduler = parts
+    r = client.post(
+        "/v1/embeddings",
+        json={"model": "text-embedding-ada-002", "input": [[15339, 1917], [9906, 0]]},
+    )
+    assert r.status_code == 200, r.text
+    assert scheduler.calls[-1] == ("embed", EmbedRequest(inputs=("hello world", "Hello!")))
+    r = client.post("/v1/embeddings", json={"input": [15339, 1917, 100257]})
+    assert scheduler.calls[-1][1].inputs == ("hello world<|endoftext|>",)
+    r = client.post("/v1/embeddings", json={"input": [[100300]]})
+    assert r.status_code == 400 and "cl100k_base" in r.json()["error"]["message"]
+
+
+def test_token_ids_for_a_model_by_name_are_the_models_own(
+    parts: tuple[TestClient, Scheduler],
+) -> None:
+    """A model named directly gets its own tokenizer's ids: the engine decodes them."""
+    client, scheduler = parts
+    r = client.post("/v1/embeddings", json={"model": "minilm-l6-v2", "input": [[7592, 2088]]})
+    assert r.status_code == 200, r.text
+    assert scheduler.calls[-1] == ("embed", EmbedRequest(inputs=((7592, 2088),)))

@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from server_fakes import Harness, Script
 
 from elbowroom.engines.requests import TextRequest
-from elbowroom.errors import InsufficientMemory, RunnerCrashed
+from elbowroom.errors import BadRequest, InsufficientMemory, RunnerCrashed
 
 HI = [{"role": "user", "content": "Hi"}]
 
@@ -138,9 +139,9 @@ def test_errors_have_ollama_shape_and_elbowroom_statuses(harness: Harness) -> No
         (
             "POST",
             "/api/generate",
-            {"model": "smollm2-135m", "prompt": "x", "options": {"top_k": 3}},
+            {"model": "smollm2-135m", "prompt": "x", "options": {"tfs_z": 0.9}},
             400,
-            "top_k",
+            "tfs_z",
         ),
         (
             "POST",
@@ -191,11 +192,13 @@ def test_models_ps_version_and_form_encoded_bodies(harness: Harness) -> None:
     c = harness.client
     assert c.get("/api/version").json()["version"].count(".") == 2
     names = [m["name"] for m in c.get("/api/tags").json()["models"]]
-    assert names == ["smollm2-135m"]  # the ASR model is not an Ollama model
+    # Ollama's names carry the tag (langchain's validate_model_on_init compares them exactly)
+    assert names == ["smollm2-135m:latest"]  # the ASR model is not an Ollama model
     harness.scheduler.loaded["smollm2-135m"] = False
     ps = c.get("/api/ps").json()
     entry = ps["models"][0]
-    assert entry["name"] == entry["model"] == entry["id"] == "smollm2-135m"
+    assert entry["name"] == entry["model"] == "smollm2-135m:latest"
+    assert entry["id"] == "smollm2-135m"
     assert entry["size"] == 10 and entry["size_vram"] == 0 and entry["expires_at"]
     assert ps["memory"]["limit"] == 1000
     own = c.get("/api/elbowroom/ps").json()["models"][0]
@@ -225,3 +228,13 @@ def test_ollama_requests_are_counted_and_timed(harness: Harness) -> None:
     assert count() == before + 1
     ttft = METRICS.ttft.collect()[0].samples
     assert any(s.labels.get("endpoint") == "ollama_chat" for s in ttft)
+
+
+def test_embed_options_null_are_unset() -> None:
+    """langchain-ollama's OllamaEmbeddings sends every option, null: unset, not a 400
+    (issue 21); an option with a value still means nothing for embeddings."""
+    from elbowroom.server.ollama_routes import _embed_options
+
+    _embed_options({"mirostat": None, "top_k": None, "temperature": None, "num_ctx": None})
+    with pytest.raises(BadRequest, match="no meaning for embeddings"):
+        _embed_options({"mirostat": 2})

@@ -15,6 +15,7 @@ from elbowroom.errors import BadRequest, InsufficientMemory
 from elbowroom.models.spec import Holding, ModelKind, ModelSpec
 from elbowroom.server import ollama_models as views
 from elbowroom.server import ollama_shapes as shapes
+from elbowroom.server.schemas import ChatCompletionRequest
 
 
 def test_options_map_onto_openai_fields() -> None:
@@ -38,11 +39,36 @@ def test_options_map_onto_openai_fields() -> None:
     assert shapes.options_to_openai({"num_predict": -2})[0] == {"max_tokens": None}
 
 
+def test_llama_samplers_pass_through() -> None:
+    """Users' Modelfile-style options (they were a 400 before): llama.cpp's samplers under
+    their own names, validated by the OpenAI schema and sent to the engine."""
+    options = {
+        "top_k": 40,
+        "min_p": 0.05,
+        "typical_p": 0.9,
+        "repeat_penalty": 1.1,
+        "repeat_last_n": 64,
+        "mirostat": 2,
+        "mirostat_tau": 5.0,
+        "mirostat_eta": 0.1,
+    }
+    fields, _ = shapes.options_to_openai(options)
+    assert fields == options
+    request = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+    )
+    assert request.to_engine(8).samplers == options
+    with pytest.raises(ValueError, match="mirostat"):
+        ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], "mirostat": 3}
+        )
+
+
 @pytest.mark.parametrize(
     ("options", "param", "words"),
     [
-        ({"top_k": 40}, "top_k", "not supported"),
-        ({"mirostat": 2}, "mirostat", "not supported"),
+        ({"tfs_z": 0.9}, "tfs_z", "not supported"),
+        ({"penalize_newline": True}, "penalize_newline", "not supported"),
         ({"num_predict": 0}, "num_predict", "-1 for no limit"),
         ({"num_predict": "5"}, "num_predict", "integer"),
         ({"num_ctx": 0}, "num_ctx", "positive"),
@@ -191,7 +217,7 @@ def test_model_views_from_gguf_metadata(tmp_path: Path) -> None:
     )
     llm = ModelSpec("tiny", ModelKind.LLM, "llama", weights, 4, Holding.MMAP, "path", gguf=info)
     tag = views.tag(llm)
-    assert tag["name"] == tag["model"] == "tiny" and len(tag["digest"]) == 64
+    assert tag["name"] == tag["model"] == "tiny:latest" and len(tag["digest"]) == 64
     assert tag["details"]["parameter_size"] == "135M"
     assert tag["details"]["quantization_level"] == "Q8_0" and tag["details"]["format"] == "gguf"
     shown = views.show(llm)
@@ -204,3 +230,36 @@ def test_model_views_from_gguf_metadata(tmp_path: Path) -> None:
     assert entry["expires_at"].startswith("2316") and entry["keep_alive_expires"] is None
     row["expires_at"] = "2026-01-01T00:00:00+00:00"
     assert views.ps_entry(llm, row, 0)["expires_at"] == "2026-01-01T00:00:00Z"
+
+
+def test_tool_results_match_by_call_id_or_name_or_order() -> None:
+    """ChatOllama sends a result's tool_call_id (the id it was given, while the assistant's
+    call it repeats carries none), litellm's ollama_chat/ sends ``name``: each result answers
+    one open call, in order, and the request passes the OpenAI schema's pairing check (it
+    answered 400 "messages[2] answers tool_call_id 'call_2'" before)."""
+    fn = {"function": {"name": "weather", "arguments": {"city": "Paris"}}}
+    cases = [
+        ([{"id": "a", **fn}, {"id": "b", **fn}], [{"tool_call_id": "b"}, {"tool_call_id": "a"}]),
+        ([fn, fn], [{"tool_call_id": "from-the-answer"}, {"tool_call_id": "other"}]),
+        ([fn, fn], [{"name": "weather"}, {"name": "weather"}]),
+        ([fn, fn], [{"tool_name": "weather"}, {"tool_name": "weather"}]),
+        ([fn, fn], [{}, {}]),
+    ]
+    for calls, results in cases:
+        body = shapes.ChatBody.model_validate(
+            {
+                "model": "m",
+                "messages": [
+                    {"role": "user", "content": "weather in Paris and Rome?"},
+                    {"role": "assistant", "content": "", "tool_calls": calls},
+                    *({"role": "tool", "content": "20 C", **r} for r in results),
+                ],
+            }
+        )
+        out = shapes.chat_to_openai(body)
+        ids = [c["id"] for c in out["messages"][1]["tool_calls"]]
+        answered = [m["tool_call_id"] for m in out["messages"][2:]]
+        assert sorted(answered) == sorted(ids), (results, answered, ids)
+        if results[0].get("tool_call_id") == "b":
+            assert answered == ["b", "a"]
+        ChatCompletionRequest.model_validate(out)  # no 400: every result answers a call

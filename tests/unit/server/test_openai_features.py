@@ -245,7 +245,7 @@ def bad(body: dict[str, Any], param: str | None, fragment: str) -> tuple[Any, ..
 
 
 BAD_CHAT = [
-    bad(chat(top_k=40), "top_k", "Unsupported parameter"),
+    bad(chat(top_k=-1), "top_k", "greater than or equal to 0"),
     bad(
         chat(messages=[{"role": "user", "content": "x", "mood": "happy"}]),
         "messages[0].mood",
