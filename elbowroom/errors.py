@@ -6,6 +6,7 @@
     ├── Unauthorized (401, authentication_error)
     ├── Forbidden (403, permission_error): a foreign Host/Origin, or a key without admin rights
     ├── ModelNotFound (404, not_found_error)
+    ├── RequestTimeout (408, invalid_request_error): a body that stopped arriving
     ├── PayloadTooLarge (413, invalid_request_error)
     ├── UnsupportedMediaType (415, invalid_request_error): a body that is not JSON
     ├── Unprocessable (422, invalid_request_error)
@@ -116,6 +117,11 @@ class ModelNotFound(ElbowroomError):
         super().__init__(
             f"The model {model!r} does not exist. GET /v1/models lists the available ones.", **kw
         )
+
+
+class RequestTimeout(ElbowroomError):
+    status = 408
+    type = "invalid_request_error"
 
 
 class PayloadTooLarge(ElbowroomError):

@@ -18,10 +18,12 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from elbowroom.errors import BadRequest, PayloadTooLarge
+from elbowroom.server.schema_limits import check_schemas
 
 _TOKEN = re.compile(rb'("[^"]*")|([\[{])|([\]}])|(,)')
 _STRING, _OPEN, _CLOSE, _COMMA = 1, 2, 3, 4
@@ -40,6 +42,11 @@ class Limits:
     max_messages: int
     max_stop: int
     max_stop_chars: int
+    # JSON schemas a grammar is compiled from (schema_limits.py); integers' digits.
+    max_schema_bytes: int = 32 * 1024
+    max_schema_members: int = 256
+    max_schema_repeat: int = 1024
+    max_int_digits: int = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +90,9 @@ def inspect(body: bytes | bytearray, path: str, limits: Limits) -> Inspected:
     """Scan, parse and check ``body`` sent to ``path``; raise the error a client should see."""
     scan(body, limits.max_values, limits.max_depth)
     try:
-        value = json.loads(body)
+        value = json.loads(body, parse_int=_int_parser(limits.max_int_digits))
+    except BadRequest:
+        raise
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         reason = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
         raise BadRequest(f"The request body is not valid JSON: {reason}") from None
@@ -108,7 +117,30 @@ def inspect(body: bytes | bytearray, path: str, limits: Limits) -> Inspected:
     options = value.get("options")  # Ollama's
     if isinstance(options, dict):
         check_stop(options.get("stop"), limits)
+    check_schemas(
+        value,
+        max_bytes=limits.max_schema_bytes,
+        max_members=limits.max_schema_members,
+        max_repeat=limits.max_schema_repeat,
+    )
     return Inspected(value, chars, prompt_chars(path, value))
+
+
+def _int_parser(max_digits: int) -> Callable[[str], int]:
+    """``json.loads``'s ``parse_int``: an integer literal of more than ``max_digits``
+    digits is a 400 before ``int()`` sees it (converting a 4,299-digit literal costs
+    quadratic time: 32 MB of them held the interpreter for seconds)."""
+
+    def parse(text: str) -> int:
+        if len(text.lstrip("-")) > max_digits:
+            raise BadRequest(
+                f"The JSON body has an integer of {len(text.lstrip('-'))} digits; at most "
+                f"{max_digits} are allowed (max_int_digits)",
+                code="integer_too_long",
+            )
+        return int(text)
+
+    return parse
 
 
 def count_chars(value: Any) -> int:
