@@ -380,3 +380,22 @@ def test_discovery_lists_what_it_cannot_stat_as_a_problem(tmp_path: Path) -> Non
             (root / "closed").chmod(0o755)
     problems = {p.path.name: p.reason for p in catalog.problems}
     assert "long" in problems and "too long" in problems["long"], problems
+
+
+# --- the prompt-size bound -------------------------------------------------------------------
+
+
+def test_the_prompt_bound_counts_every_text_field_a_runner_is_sent() -> None:
+    """A 4 M-character ``system`` on /api/generate or a tool description reached the runner,
+    which tokenized 2 M tokens for 13-16 s before its 400."""
+
+    def chars(path: str, body: dict[str, Any]) -> int:
+        return inspect(json.dumps(body).encode(), path, LIMITS).prompt_chars
+
+    assert chars("/api/generate", {"prompt": "ab", "system": "x" * 1000}) == 1002
+    assert chars("/v1/completions", {"prompt": "ab", "suffix": "cd"}) == 4
+    tool = {"type": "function", "function": {"name": "f", "description": "d" * 5000}}
+    assert chars("/v1/chat/completions", {"messages": HI, "tools": [tool]}) == 2 + 1 + 5000 + 8
+    call = {"function": {"name": "f", "arguments": "a" * 300}}
+    msgs = [{"role": "assistant", "content": "", "tool_calls": [call]}]
+    assert chars("/api/chat", {"messages": msgs}) == 301
