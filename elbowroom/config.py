@@ -105,6 +105,8 @@ class Settings:
     mlock: bool = False
     threads: int | None = None
     max_tokens_cap: int = 4096  # hard cap on generated tokens for every request
+    # Each CPU runner's RLIMIT_DATA: 1.5 x what its load was admitted for, + 1 GiB
+    runner_memory_ceiling: bool = True
     # Streamed LLM requests are read by the server straight from the engine's private
     # socket (server/direct.py) instead of token by token through the runner pipe.
     direct_streams: bool = True

@@ -207,9 +207,7 @@ def prompt_chars(path: str, body: dict[str, Any]) -> int:
             total += count_chars(message.get("tool_calls"))
         return total + count_chars(body.get("tools"))
     if path in COMPLETION_PATHS:
-        total = sum(
-            len(v) for v in (body.get("system"), body.get("suffix")) if isinstance(v, str)
-        )
+        total = sum(len(v) for v in (body.get("system"), body.get("suffix")) if isinstance(v, str))
         prompt = body.get("prompt")
         if isinstance(prompt, str):
             return total + len(prompt)

@@ -482,6 +482,15 @@ def test_inference_keys_see_no_pids_and_runners_get_no_keys(
     with open(f"/proc/{pid}/environ", "rb") as f:
         environ = f.read()
     assert b"key-28" not in environ
+    # The runner's own memory ceiling (runner_memory_ceiling), above what it holds.
+    with open(f"/proc/{pid}/limits") as f:
+        data_line = next(line for line in f if line.startswith("Max data size"))
+    ceiling = int(data_line.split()[3])
+    assert status_kb(pid, "VmData") * 1024 < ceiling < 64 * 1024**3, data_line
+    chat = httpx.post(
+        keyed.url + "/v1/chat/completions", json=CHAT, headers=keyed.headers, timeout=120
+    )
+    assert chat.status_code == 200, chat.text
     seen = httpx.get(
         keyed.url + "/api/ps", headers={"Authorization": "Bearer inference-key-28"}, timeout=30
     ).json()["models"]

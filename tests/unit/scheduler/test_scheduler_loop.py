@@ -20,6 +20,7 @@ from elbowroom.errors import (
     QueueFull,
     RunnerBackoff,
     RunnerCrashed,
+    Unavailable,
 )
 from elbowroom.models.spec import ModelKind
 from elbowroom.scheduler import loop
@@ -616,6 +617,22 @@ def test_failed_loads_count_toward_backoff() -> None:
         with pytest.raises(RunnerBackoff) as err:
             await request(h, "a")
         assert "exit code 3" in err.value.message
+
+    run(scenario())
+
+
+def test_loads_that_time_out_count_toward_backoff() -> None:
+    """A chat template that loops while the model loads: each request started a runner
+    that spun until load_timeout (180 s of a core each)."""
+
+    async def scenario() -> None:
+        h = harness(A, crash_backoff_initial=10)
+        h.machine.fail_starts["a"] = Unavailable("did not load (load_timeout)", code="load_timeout")
+        for _ in range(2):
+            with pytest.raises(Unavailable):
+                await request(h, "a")
+        with pytest.raises(RunnerBackoff):
+            await request(h, "a")
 
     run(scenario())
 
