@@ -370,3 +370,97 @@ def test_a_file_part_without_a_filename_is_still_the_file() -> None:
             return form.file.size
 
     assert anyio.run(main) == 30_000
+
+
+class _Hanging(Scheduler):
+    """A runner that works until its request is closed (what cancels it in the worker)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed: list[str] = []
+
+    @asynccontextmanager
+    async def use(self, model_id: str, keep_alive: float | None = None) -> AsyncIterator[Any]:
+        yield _HangingRunner(self)
+
+
+class _HangingRunner:
+    def __init__(self, scheduler: _Hanging) -> None:
+        self.s = scheduler
+
+    async def request(self, op: str, payload: Any) -> AsyncIterator[dict[str, Any]]:
+        self.s.calls.append(("", op, payload))
+        try:
+            yield {"type": "progress"}
+            await anyio.sleep(3600)
+            yield {"type": "done"}
+        finally:
+            self.s.closed.append(op)
+
+
+@pytest.mark.parametrize(
+    ("path", "content_type", "body"),
+    [
+        (
+            "/v1/audio/transcriptions",
+            b"multipart/form-data; boundary=b",
+            b'--b\r\nContent-Disposition: form-data; name="model"\r\n\r\nwhisper-1\r\n'
+            b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n'
+            b"Content-Type: audio/wav\r\n\r\naudio!\r\n--b--\r\n",
+        ),
+        (
+            "/v1/audio/speech",
+            b"application/json",
+            b'{"model": "piper-en-us-joe", "input": "hello", "voice": "joe"}',
+        ),
+    ],
+)
+def test_a_client_that_leaves_stops_the_work(path: str, content_type: bytes, body: bytes) -> None:
+    """An abandoned 10-minute transcription kept whisper on a core for 3.5 minutes."""
+    scheduler = _Hanging()
+    catalog = Catalog(
+        make_spec("whisper-tiny.en", ModelKind.ASR), make_spec("piper-en-us-joe", ModelKind.TTS)
+    )
+    settings = Settings(max_upload=1000, max_speech_chars=20)
+    app = create_app(
+        settings, services=Services(settings=settings, catalog=catalog, scheduler=scheduler)
+    )
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        if pending:
+            return pending.pop()
+        while not scheduler.calls and not scheduler.closed:
+            await anyio.sleep(0.01)
+        await anyio.sleep(0.05)
+        return {"type": "http.disconnect"}  # the client leaves while the work runs
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"content-type", content_type),
+            (b"content-length", str(len(body)).encode()),
+            (b"host", b"localhost"),
+        ],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+
+    async def run() -> None:
+        with anyio.fail_after(30):  # only the disconnect can end this call
+            await app(scope, receive, send)
+
+    anyio.run(run)
+    assert scheduler.closed == [path.rsplit("/", 1)[1].replace("transcriptions", "transcribe")]
