@@ -33,6 +33,7 @@ from elbowroom.errors import (
     MemoryPressure,
     RunnerCrashed,
     Unavailable,
+    Unprocessable,
 )
 from elbowroom.memory.monitor import Monitor, Sample
 from elbowroom.memory.types import Probe, ProcessMemory, Snapshot
@@ -272,7 +273,7 @@ class Residency:
             self.counters["load_failures"] += 1
             # A load that hung until load_timeout (a chat template that loops while the
             # model loads) backs off like a crash: not a new runner for every request.
-            if isinstance(exc, RunnerCrashed | EngineError) or (
+            if isinstance(exc, RunnerCrashed | EngineError | Unprocessable) or (
                 isinstance(exc, Unavailable) and exc.code == "load_timeout"
             ):
                 self._lanes.note_crash(lane, str(exc))

@@ -399,3 +399,21 @@ def test_the_prompt_bound_counts_every_text_field_a_runner_is_sent() -> None:
     call = {"function": {"name": "f", "arguments": "a" * 300}}
     msgs = [{"role": "assistant", "content": "", "tool_calls": [call]}]
     assert chars("/api/chat", {"messages": msgs}) == 301
+
+
+def test_a_gguf_without_tensors_is_a_clear_load_error(tmp_path: Path) -> None:
+    """It failed in llama.cpp with "no reason given": a 500 and a new runner per request."""
+    from crafted_gguf import gguf, model_kvs
+
+    from elbowroom.config import Settings
+    from elbowroom.engines.llama import LlamaEngine
+    from elbowroom.engines.options import LlamaOptions
+    from elbowroom.errors import Unprocessable
+    from elbowroom.models.catalog import discover
+
+    (tmp_path / "empty.gguf").write_bytes(gguf(model_kvs()))
+    catalog = discover(Settings(models_dir=tmp_path, data_dir=tmp_path / "data"))
+    spec = catalog.get("empty")
+    with pytest.raises(Unprocessable, match="no tensors") as err:
+        LlamaEngine().load(spec, LlamaOptions())
+    assert err.value.status == 422
