@@ -464,3 +464,52 @@ def test_a_client_that_leaves_stops_the_work(path: str, content_type: bytes, bod
 
     anyio.run(run)
     assert scheduler.closed == [path.rsplit("/", 1)[1].replace("transcriptions", "transcribe")]
+
+
+def test_a_client_gone_mid_upload_is_not_a_500(caplog: pytest.LogCaptureFixture) -> None:
+    """It was logged as an internal error and counted as a 500."""
+    scheduler = Scheduler()
+    catalog = Catalog(make_spec("whisper-tiny.en", ModelKind.ASR))
+    settings = Settings(max_upload=1000)
+    app = create_app(
+        settings, services=Services(settings=settings, catalog=catalog, scheduler=scheduler)
+    )
+    part = (
+        b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n'
+        b"Content-Type: audio/wav\r\n\r\naud"
+    )
+    pending = [
+        {"type": "http.request", "body": part, "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return pending.pop(0)
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    path = "/v1/audio/transcriptions"
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"content-type", b"multipart/form-data; boundary=b"),
+            (b"content-length", b"900"),
+            (b"host", b"localhost"),
+        ],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+    anyio.run(app, scope, receive, send)
+    assert sent[0]["status"] == 499
+    assert "internal error" not in caplog.text
+    assert scheduler.calls == []
