@@ -14,7 +14,10 @@ during each attack, in that order, so that baseline and attacks share the machin
 
 Then the cost left inside the bounds: another slot's 2-token chat while a request with a
 `max_schema_members` (256) enum grammar runs, against the same 2-token chat beside a plain
-request, interleaved.
+request, interleaved. And what one client learns of another's prompt (docs/security.md,
+"What `cached_tokens` tells another client"): client A sends a fresh ~900-token prompt,
+then client B the same prompt, plainly (prefix reuse, the default) or with `cache_salt`;
+B's time and `cached_tokens`, interleaved.
 
     python benchmarks/hostile.py --rounds 5   # writes results/hostile.{json,md}
 """
@@ -249,6 +252,28 @@ def beside(url: str, extra: dict[str, Any]) -> float:
     return took
 
 
+def probe_prefix(url: str, salted: bool) -> tuple[float, int]:
+    """B's seconds and cached_tokens for the prompt A sent just before."""
+    words = " ".join(secrets.token_hex(3) for _ in range(150))
+    messages = [{"role": "user", "content": f"Summarize: {words}"}]
+    httpx.post(
+        url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": messages, "max_tokens": 1},
+        timeout=300,
+    ).raise_for_status()
+    extra = {"cache_salt": "client-b"} if salted else {}
+    began = time.perf_counter()
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": messages, "max_tokens": 1, **extra},
+        timeout=300,
+    )
+    took = time.perf_counter() - began
+    r.raise_for_status()
+    details = r.json()["usage"].get("prompt_tokens_details") or {}
+    return took, int(details.get("cached_tokens") or 0)
+
+
 def summary(values: list[float]) -> dict[str, float]:
     return {
         "median": statistics.median(values),
@@ -267,6 +292,7 @@ def main() -> None:
     loads: list[float] = []
     health: dict[str, list[dict[str, Any]]] = {name: [] for name in ATTACKS}
     grammar: dict[str, list[float]] = {"plain": [], "enum256": []}
+    prefix: dict[str, list[tuple[float, int]]] = {"shared": [], "cache_salt": []}
     try:
         chat(url, {}, 2)  # load the model
         enum = {"type": "object", "properties": {"c": {"enum": [f"v{i}" for i in range(255)]}}}
@@ -290,6 +316,8 @@ def main() -> None:
                 )
             grammar["plain"].append(beside(url, {}))
             grammar["enum256"].append(beside(url, fmt))
+            prefix["shared"].append(probe_prefix(url, salted=False))
+            prefix["cache_salt"].append(probe_prefix(url, salted=True))
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -301,6 +329,8 @@ def main() -> None:
         "health": health,
         "two_token_beside": {k: summary(v) for k, v in grammar.items()},
         "two_token_raw": grammar,
+        "prefix_b_seconds": {k: summary([t for t, _ in v]) for k, v in prefix.items()},
+        "prefix_raw": prefix,
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2))
@@ -335,7 +365,19 @@ def main() -> None:
         f"({bound['min']:.2f}-{bound['max']:.2f}) |",
         f"| ratio | {bound['median'] / plain['median']:.2f} |",
         "",
+        "Client B's request for the ~900-token prompt client A sent just before (1 token out):",
+        "",
+        "| B sends | seconds (median, range) | cached_tokens seen |",
+        "|---|---|---|",
     ]
+    for name, pairs in prefix.items():
+        secs = result["prefix_b_seconds"][name]
+        seen = sorted({c for _, c in pairs})
+        lines.append(
+            f"| {'plainly (reuse on)' if name == 'shared' else 'with cache_salt'} | "
+            f"{secs['median']:.2f} ({secs['min']:.2f}-{secs['max']:.2f}) | {seen} |"
+        )
+    lines.append("")
     (RESULTS / f"{args.out}.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
