@@ -32,7 +32,9 @@ router = APIRouter(prefix="/v1")
 @router.post("/audio/transcriptions")
 async def transcriptions(request: Request) -> Response:
     services = get_services(request)
-    async with receive_form(request, max_file=services.settings.max_upload) as form:
+    async with receive_form(
+        request, max_file=services.settings.max_upload, timeout=services.settings.body_timeout
+    ) as form:
         if form.file is None:
             raise BadRequest("Missing required parameter: 'file'", param="file")
         spec = resolve_model(

@@ -513,3 +513,53 @@ def test_a_client_gone_mid_upload_is_not_a_500(caplog: pytest.LogCaptureFixture)
     assert sent[0]["status"] == 499
     assert "internal error" not in caplog.text
     assert scheduler.calls == []
+
+
+def test_a_stalled_upload_times_out() -> None:
+    """Uploads skip the JSON body gate: a stalled one held its connection for good."""
+    scheduler = Scheduler()
+    catalog = Catalog(make_spec("whisper-tiny.en", ModelKind.ASR))
+    settings = Settings(max_upload=1000, body_timeout=0.3)
+    app = create_app(
+        settings, services=Services(settings=settings, catalog=catalog, scheduler=scheduler)
+    )
+    part = b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\nau'
+    pending = [{"type": "http.request", "body": part, "more_body": True}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        if pending:
+            return pending.pop(0)
+        await anyio.sleep(3600)  # the client sends nothing more and stays
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    path = "/v1/audio/transcriptions"
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"content-type", b"multipart/form-data; boundary=b"),
+            (b"content-length", b"900"),
+            (b"host", b"localhost"),
+        ],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+
+    async def run() -> None:
+        with anyio.fail_after(30):
+            await app(scope, receive, send)
+
+    anyio.run(run)
+    assert sent[0]["status"] == 408
+    assert scheduler.calls == []
