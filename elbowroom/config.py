@@ -76,6 +76,16 @@ class Settings:
     max_chars: int = 4 * 1024**2  # characters of all strings in one JSON body
     max_stop: int = 4  # stop strings in one request
     max_stop_chars: int = 256  # characters of one stop string
+    max_int_digits: int = 64  # digits of one JSON integer literal
+    # JSON schemas compiled into a grammar (response_format, format, tools): all of them
+    max_schema_bytes: int = _size(default=32 * 1024)  # their JSON
+    max_schema_members: int = 256  # enum values, anyOf/oneOf branches, properties
+    max_schema_repeat: int = 1024  # any one minItems/maxLength/{n,m} bound
+    # Connections (docs/security.md): a request's head and each wait for its body's next
+    # bytes must come within these seconds; at most max_connections open at once.
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    max_connections: int = 0  # 0: from the process's open-file limit, fds reserved
     queue_share: float = 0.5  # share of queue_size one API key may hold waiting
     # --- models
     data_dir: Path = field(default_factory=default_data_dir)
@@ -95,6 +105,8 @@ class Settings:
     mlock: bool = False
     threads: int | None = None
     max_tokens_cap: int = 4096  # hard cap on generated tokens for every request
+    # Each CPU runner's RLIMIT_DATA: 1.5 x what its load was admitted for, + 1 GiB
+    runner_memory_ceiling: bool = True
     # Streamed LLM requests are read by the server straight from the engine's private
     # socket (server/direct.py) instead of token by token through the runner pipe.
     direct_streams: bool = True
@@ -144,6 +156,7 @@ class Settings:
     max_images: int = 8  # images in one request
     max_image_bytes: int = _size(default=10 * 1024**2)  # bytes of one image (decoded base64)
     max_image_pixels: int = 25_000_000  # width x height of one image (decompression bombs)
+    max_decoded_image_bytes: int = _size(default=256 * 1024**2)  # a request's images, decoded
     image_url_hosts: tuple[str, ...] = _strs(default=())  # hosts image_url may fetch from
     # --- KV prefix cache
     kv_cache: bool = True
@@ -302,6 +315,17 @@ def _validate(s: Settings) -> None:
     for name in ("max_body", "max_body_inflight", "max_json_values", "max_json_depth"):
         if getattr(s, name) < 1:
             raise ConfigError(f"{name} must be >= 1, not {getattr(s, name)}")
+    for name in (
+        "max_int_digits",
+        "max_schema_bytes",
+        "max_schema_members",
+        "max_schema_repeat",
+        "max_connections",
+    ):
+        if getattr(s, name) < 0:
+            raise ConfigError(f"{name} must be >= 0, not {getattr(s, name)}")
+    if s.header_timeout <= 0 or s.body_timeout <= 0:
+        raise ConfigError("header_timeout and body_timeout must be > 0 seconds")
     for name in ("max_messages", "max_chars", "max_stop", "max_stop_chars"):
         if getattr(s, name) < 0:
             raise ConfigError(f"{name} must be >= 0, not {getattr(s, name)}")
@@ -313,7 +337,7 @@ def _validate(s: Settings) -> None:
         raise ConfigError(f"vision_gate must be > 0 (1 or more: off), not {s.vision_gate}")
     if s.vision_settle_factor < 0:
         raise ConfigError(f"vision_settle_factor must be >= 0, not {s.vision_settle_factor}")
-    for name in ("max_images", "max_image_bytes", "max_image_pixels"):
+    for name in ("max_images", "max_image_bytes", "max_image_pixels", "max_decoded_image_bytes"):
         if getattr(s, name) < 0:
             raise ConfigError(f"{name} must be >= 0, not {getattr(s, name)}")
     if s.kv_block_tokens < 1:

@@ -6,6 +6,7 @@
     ├── Unauthorized (401, authentication_error)
     ├── Forbidden (403, permission_error): a foreign Host/Origin, or a key without admin rights
     ├── ModelNotFound (404, not_found_error)
+    ├── RequestTimeout (408, invalid_request_error): a body that stopped arriving
     ├── PayloadTooLarge (413, invalid_request_error)
     ├── UnsupportedMediaType (415, invalid_request_error): a body that is not JSON
     ├── Unprocessable (422, invalid_request_error)
@@ -121,6 +122,11 @@ class ModelNotFound(ElbowroomError):
 class ResponseNotFound(ElbowroomError):
     status = 404
     type = "not_found_error"
+
+
+class RequestTimeout(ElbowroomError):
+    status = 408
+    type = "invalid_request_error"
 
 
 class PayloadTooLarge(ElbowroomError):

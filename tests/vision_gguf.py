@@ -120,3 +120,21 @@ def bomb_png(side: int = 20_000) -> bytes:
     idat = b"".join(packer.compress(row) for _ in range(side)) + packer.flush()
     ihdr = struct.pack(">IIBBBBB", side, side, 1, 0, 0, 0, 0)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+def inflating_png(inflated: int, *, side: int = 1, interlaced: bool = False) -> bytes:
+    """A valid-looking side x side RGB PNG whose image data inflates to ``inflated`` bytes
+    of zeros (checksums right): 1 GiB packs into ~1 MB. With ``inflated`` equal to what the
+    pixels need it is an honest image."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    packer = zlib.compressobj(9)
+    block = b"\x00" * (1 << 20)
+    parts = [packer.compress(block) for _ in range(inflated >> 20)]
+    parts.append(packer.compress(b"\x00" * (inflated & ((1 << 20) - 1))))
+    idat = b"".join(parts) + packer.flush()
+    ihdr = struct.pack(">IIBBBBB", side, side, 8, 2, 0, 0, int(interlaced))
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")

@@ -197,6 +197,9 @@ async def _serve(settings: Settings, sock: socket.socket, *, as_json: bool) -> i
     assert task is not None
     # SIGINT already cancels us during startup (asyncio.run); make SIGTERM do the same.
     loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    # Runners are spawned with this process's environment: they must not get the keys.
+    for name in ("ELBOWROOM_API_KEY", "ELBOWROOM_API_KEYS", "ELBOWROOM_ADMIN_KEY"):
+        os.environ.pop(name, None)
     try:
         services = await start_services(settings)
     finally:
@@ -207,9 +210,12 @@ async def _serve(settings: Settings, sock: socket.socket, *, as_json: bool) -> i
     # runners are always stopped below instead of the process dying first.
     previous = {s: signal.signal(s, _ignore) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        from elbowroom.server.connections import protocol_class
+
         app = create_app(settings, services=services)
         config = uvicorn.Config(
             app,
+            http=protocol_class(settings),  # header_timeout, max_connections
             log_level=settings.log_level,
             access_log=settings.log_level == "debug",
             timeout_graceful_shutdown=max(1, round(settings.stop_grace)),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import threading
 from typing import Any
@@ -38,6 +39,7 @@ from elbowroom.errors import (
     InsufficientMemory,
     MemoryPressure,
     Unavailable,
+    Unprocessable,
 )
 from elbowroom.kvcache import CacheKey
 from elbowroom.memory.types import Pressure
@@ -96,6 +98,7 @@ class LlamaEngine:
 
     def load(self, spec: ModelSpec, options: EngineOptions) -> dict[str, Any]:
         opts = expect(options, LlamaOptions, "llama")
+        _check_has_tensors(spec)
         select_gpus(opts.offload.devices)
         import xllamacpp
 
@@ -480,6 +483,22 @@ class LlamaEngine:
             if body.pop("logprobs", None):
                 body["n_probs"] = top
         return body, emulated
+
+
+def _check_has_tensors(spec: ModelSpec) -> None:
+    """A GGUF that lists no tensors holds no weights: llama.cpp fails on it with nothing on
+    stderr ("no reason given", a 500 for every request). Say so (422); the load failure
+    counts toward the crash backoff. The first file of a split model may hold no tensors."""
+    if spec.gguf is None or re.search(r"-\d{5}-of-\d{5}\.gguf$", spec.path.name, re.I):
+        return
+    # From discovery's read of the header: reading it again here left ~17 MiB of parsed
+    # header in the runner's heap.
+    if spec.gguf.tensor_bytes is None:
+        raise Unprocessable(
+            f"the model file {spec.path.name} lists no tensors: it holds no weights, and "
+            "llama.cpp cannot load it",
+            code="model_has_no_tensors",
+        )
 
 
 class _CapturedStderr:

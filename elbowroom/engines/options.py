@@ -24,6 +24,9 @@ from elbowroom.errors import EngineError
 class EngineOptions:
     threads: int | None = None  # None: the engine's own default
     log_level: str = "info"  # set by the supervisor from the settings of its machine
+    # The runner's own memory ceiling (RLIMIT_DATA: writable private memory, which the
+    # model's read-only mmap is not); 0: none. scheduler/sizing.runner_ceiling.
+    memory_ceiling: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -230,18 +230,17 @@ def _search(root: Path, problems: list[Problem]) -> list[ModelSpec]:
     seen: set[Path] = set()
 
     def visit(folder: Path, depth: int) -> None:
+        # Anything that cannot be stat'ed or read (a symlink into /proc/1/cwd, a folder
+        # without the x bit) is listed under problems; it must not stop serve or ls.
         try:
             real = folder.resolve()
-        except OSError:
-            return
-        if real in seen or depth > MAX_DEPTH:
-            return
-        seen.add(real)
-        model = _folder_model(folder)
-        if model is not None:
-            found.append(model)
-            return
-        try:
+            if real in seen or depth > MAX_DEPTH:
+                return
+            seen.add(real)
+            model = _folder_model(folder)
+            if model is not None:
+                found.append(model)
+                return
             entries = sorted(folder.iterdir())
         except OSError as exc:
             problems.append(Problem(folder, f"cannot list: {exc.strerror or exc}"))
@@ -249,9 +248,15 @@ def _search(root: Path, problems: list[Problem]) -> list[ModelSpec]:
         for entry in entries:
             if entry.name.startswith(".") or entry.name.lower().endswith(_SKIP_SUFFIXES):
                 continue
-            if entry.is_dir():
+            try:
+                is_dir = entry.is_dir()
+                is_file = not is_dir and entry.is_file()
+            except OSError as exc:
+                problems.append(Problem(entry, f"cannot read: {exc.strerror or exc}"))
+                continue
+            if is_dir:
                 visit(entry, depth + 1)
-            elif entry.is_file():
+            elif is_file:
                 _try(entry, _file_model, found, problems)
 
     visit(root, 0)
@@ -283,14 +288,19 @@ def _try(
 
 def _from_path(path: Path, problems: list[Problem]) -> list[ModelSpec]:
     """One ``model_paths`` entry: a model file, a model folder, or a folder to search."""
-    if path.is_file():
+    try:
+        is_file, is_dir = path.is_file(), path.is_dir()
+    except OSError as exc:
+        problems.append(Problem(path, f"cannot read: {exc.strerror or exc}"))
+        return []
+    if is_file:
         found: list[ModelSpec] = []
         before = len(problems)
         _try(path, _file_model, found, problems)
         if not found and len(problems) == before:
             problems.append(Problem(path, "not a model file (.gguf, or .onnx with .onnx.json)"))
         return found
-    if path.is_dir():
+    if is_dir:
         return _search(path, problems)
     problems.append(Problem(path, "no such file or folder"))
     return []

@@ -198,6 +198,7 @@ class Supervisor(RunnerStatus):
                 f"runner for {self.spec.id} did not load within {timeout:g} s "
                 f"(load_timeout); the process was stopped",
                 retry_after=5.0,
+                code="load_timeout",
             ) from None
         except ElbowroomError as exc:
             crashed = isinstance(exc, RunnerCrashed) and self._state is RunnerState.CRASHED

@@ -66,6 +66,8 @@ def worker_main(conn: Connection, spec: ModelSpec, options: EngineOptions) -> No
         level=options.log_level.upper(),
         format=f"%(asctime)s runner[{spec.id}:{os.getpid()}] %(levelname)s %(message)s",
     )
+    if options.memory_ceiling:
+        _limit_memory(options.memory_ceiling)
     level = PressureLevel()
     try:
         engine = create_engine(spec.engine, level)
@@ -84,6 +86,20 @@ def worker_main(conn: Connection, spec: ModelSpec, options: EngineOptions) -> No
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _limit_memory(ceiling: int) -> None:
+    """RLIMIT_DATA: an allocation past ``ceiling`` bytes of writable private memory fails
+    in this runner (its load or request fails), instead of the host running out."""
+    import resource
+
+    try:
+        _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        if hard != resource.RLIM_INFINITY:
+            ceiling = min(ceiling, hard)
+        resource.setrlimit(resource.RLIMIT_DATA, (ceiling, hard))
+    except (OSError, ValueError) as exc:  # a platform without it: the guard still watches
+        logging.getLogger("elbowroom.runner").warning("no memory ceiling: %s", exc)
 
 
 def serve(

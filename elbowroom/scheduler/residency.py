@@ -27,7 +27,14 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from elbowroom.config import Settings
-from elbowroom.errors import EngineError, InsufficientMemory, MemoryPressure, RunnerCrashed
+from elbowroom.errors import (
+    EngineError,
+    InsufficientMemory,
+    MemoryPressure,
+    RunnerCrashed,
+    Unavailable,
+    Unprocessable,
+)
 from elbowroom.memory.monitor import Monitor, Sample
 from elbowroom.memory.types import Probe, ProcessMemory, Snapshot
 from elbowroom.models.spec import Holding, ModelSpec
@@ -265,7 +272,11 @@ class Residency:
         except BaseException as exc:
             self.forget(rec)
             self.counters["load_failures"] += 1
-            if isinstance(exc, RunnerCrashed | EngineError):
+            # A load that hung until load_timeout (a chat template that loops while the
+            # model loads) backs off like a crash: not a new runner for every request.
+            if isinstance(exc, RunnerCrashed | EngineError | Unprocessable) or (
+                isinstance(exc, Unavailable) and exc.code == "load_timeout"
+            ):
                 self._lanes.note_crash(lane, str(exc))
             log.error("load of %s failed: %s", spec.id, exc)
             self.events.add("load_failed", spec.id, f"load of {spec.id} failed: {exc}")

@@ -93,11 +93,30 @@ def plan_load(
     return Plan(request, fp, n_ctx, kv_type, slots, cache_grant=grant, ctx_source=source)
 
 
+RUNNER_CEILING_FACTOR = 1.5
+RUNNER_CEILING_MARGIN = 1024**3
+
+
+def runner_ceiling(settings: Settings, plan: Plan) -> int:
+    """A runner's memory ceiling (``runner_memory_ceiling``): 1.5 x the bytes its load was
+    admitted for, plus 1 GiB. A chat template that loops a billion times
+    while the model loads took a runner to 23.6 GB, past every budget, before the host's
+    OOM killer ended it; a prediction is never more than 5 % under, so a runner within its
+    plan never comes near this. 0 (none) for a GPU placement (its driver's mappings) or
+    with the knob off."""
+    if not settings.runner_memory_ceiling or plan.placement is not None:
+        return 0
+    planned = plan.request.needed + plan.cache_grant
+    return int(RUNNER_CEILING_FACTOR * planned) + RUNNER_CEILING_MARGIN
+
+
 def start_options(settings: Settings, spec: ModelSpec, plan: Plan) -> EngineOptions:
     """What the runner's engine is loaded with: the options of its kind."""
+    ceiling = runner_ceiling(settings, plan)
     if spec.engine != "llama":
-        return EngineOptions(threads=settings.threads)
+        return EngineOptions(threads=settings.threads, memory_ceiling=ceiling)
     return LlamaOptions(
+        memory_ceiling=ceiling,
         threads=settings.threads,
         n_ctx=plan.n_ctx,
         kv_type=plan.kv_type,

@@ -24,6 +24,7 @@ from elbowroom.server.model_calls import (
     resolve_model,
     run_once,
 )
+from elbowroom.server.sse import ClientGone, gone_response, unless_client_leaves
 from elbowroom.server.uploads import Form, receive_form
 
 router = APIRouter(prefix="/v1")
@@ -44,7 +45,9 @@ async def translations(request: Request) -> Response:
 async def _speech_to_text(request: Request, task: Literal["transcribe", "translate"]) -> Response:
     services = get_services(request)
     endpoint = f"/v1/audio/{'translations' if task == 'translate' else 'transcriptions'}"
-    async with receive_form(request, max_file=services.settings.max_upload) as form:
+    async with receive_form(
+        request, max_file=services.settings.max_upload, timeout=services.settings.body_timeout
+    ) as form:
         if form.file is None:
             raise BadRequest("Missing required parameter: 'file'", param="file")
         spec = resolve_model(
@@ -71,7 +74,14 @@ async def _speech_to_text(request: Request, task: Literal["transcribe", "transla
             task=task,
         )
         keep_alive = parse_keep_alive(form.get("keep_alive"))
-        result = await run_once(services.scheduler, spec.id, keep_alive, "transcribe", payload)
+        try:
+            # A client that leaves stops the work: whisper checks between segments (a
+            # 10-minute file burned a core for 3.5 minutes after its client was gone).
+            result = await unless_client_leaves(
+                request, run_once(services.scheduler, spec.id, keep_alive, "transcribe", payload)
+            )
+        except ClientGone:
+            return gone_response()
     if response_format == "text":
         return PlainTextResponse(tf.as_text(result))
     if response_format == "srt":
@@ -159,5 +169,10 @@ async def speech(request: Request, body: SpeechBody) -> Response:
         voice=None if voice is None else str(voice),
     )
     keep_alive = parse_keep_alive(body.keep_alive)
-    result = await run_once(services.scheduler, spec.id, keep_alive, "speech", payload)
+    try:
+        result = await unless_client_leaves(
+            request, run_once(services.scheduler, spec.id, keep_alive, "speech", payload)
+        )
+    except ClientGone:
+        return gone_response()
     return Response(content=result["audio"], media_type=str(result["content_type"]))

@@ -32,6 +32,9 @@ OPEN_PATHS = frozenset({"/health", "/", "/ui"})
 OPEN_PREFIXES = ("/ui/",)  # the dashboard's static files
 ADMIN_PREFIXES = ("/api", "/metrics", "/openapi.json", "/docs", "/redoc")
 CLIENT_SCOPE_KEY = "elbowroom.client"
+# False when the request came with an inference key while an admin key is set: routes open
+# to both (Ollama's /api/ps) leave out what only an admin should see (runner pids).
+ADMIN_SCOPE_KEY = "elbowroom.admin"
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +122,7 @@ class ApiKeyMiddleware:
                 ),
             )
             return
+        scope[ADMIN_SCOPE_KEY] = who == "admin" or self.keys.admin is None
         if not self._name_clients:
             await self.app(scope, receive, send)
             return

@@ -97,7 +97,10 @@ def parse_keep_alive(value: Any) -> float | None:
     if isinstance(value, bool):  # bool is an int subclass: reject it explicitly
         raise _bad_keep_alive(value)
     if isinstance(value, int | float):
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int beyond a float (10**400): no duration
+            raise _bad_keep_alive(value) from None
     elif isinstance(value, str):
         text = value.strip().lower()
         try:

@@ -12,10 +12,17 @@ bytes and time, and passed on as a data: URL. For every image, in this order:
    cannot read (it takes PNG, JPEG, GIF, BMP): 400;
 5. width x height against ``max_image_pixels``, from the header, before a pixel is decoded
    (decompression bombs: a 20,000 x 20,000 PNG is ~1 MB of bytes, 1.2 GB of pixels): 413;
-6. the file's integrity (``verify``: PNG checksums, without decoding pixels): 400.
+6. the file's integrity (``verify``: PNG checksums, without decoding pixels): 400;
+7. what decoding would cost beyond the pixels (``inflation``): a PNG's image data is
+   inflated here while counting, and refused (413) past what its declared pixels need (a
+   1 MB PNG of 1 x 1 pixel whose data inflates to 1 GiB made the engine allocate ~900 MB);
+   a JPEG may have at most ``MAX_JPEG_SCANS`` scans (a progressive JPEG of thousands of
+   scans decodes the whole image again for each).
 
-Then the request's image tokens (images x the projector's tokens per image) against the
-largest context the model can get: 400 ``context_length_exceeded``.
+Then the request's images together against ``max_decoded_image_bytes`` (width x height x 4
+each: what the engine's decoder holds), 413, and the request's image tokens (images x the
+projector's tokens per image) against the largest context the model can get: 400
+``context_length_exceeded``.
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ import base64
 import binascii
 import io
 import re
+import struct
 import warnings
+import zlib
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -37,6 +46,19 @@ from elbowroom.units import format_size
 # Formats llama.cpp's image decoder (stb_image) reads, and their media types.
 ENGINE_FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "GIF": "image/gif", "BMP": "image/bmp"}
 FETCH_TIMEOUT = 10.0  # seconds for one allowed remote image
+MAX_JPEG_SCANS = 64  # encoders write 1 (baseline) to ~10 (progressive)
+DECODED_BYTES_PER_PIXEL = 4  # RGBA: the most the engine's decoder holds per pixel
+_PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # by color type
+# Adam7's passes: first column and row, column and row steps
+_ADAM7: tuple[tuple[int, int, int, int], ...] = (
+    (0, 0, 8, 8),
+    (4, 0, 8, 8),
+    (0, 4, 4, 8),
+    (2, 0, 4, 4),
+    (0, 2, 2, 4),
+    (1, 0, 2, 2),
+    (0, 1, 1, 2),
+)
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+*-]+)?(?P<params>(;[^;,]*)*?);base64,", re.I)
 
 
@@ -46,6 +68,7 @@ class ImageLimits:
     max_bytes: int
     max_pixels: int
     hosts: frozenset[str]
+    max_decoded: int = 256 * 1024**2
 
     @staticmethod
     def of(settings: Settings) -> ImageLimits:
@@ -54,6 +77,7 @@ class ImageLimits:
             settings.max_image_bytes,
             settings.max_image_pixels,
             frozenset(h.lower() for h in settings.image_url_hosts),
+            settings.max_decoded_image_bytes,
         )
 
 
@@ -112,6 +136,7 @@ def inspect(data: bytes, limits: ImageLimits, param: str) -> Checked:
             if width * height > limits.max_pixels:
                 raise _too_many_pixels(width, height, limits, param)
             img.verify()
+        check_inflation(data, fmt, param)
     except Image.DecompressionBombError:
         # Pillow's own bomb check (above ~179 million pixels) fired before ours could.
         raise PayloadTooLarge(
@@ -131,6 +156,74 @@ def inspect(data: bytes, limits: ImageLimits, param: str) -> Checked:
             f"the image is damaged ({exc})", param=param, code="invalid_image"
         ) from None
     return Checked(fmt, width, height, len(data))
+
+
+def check_inflation(data: bytes, fmt: str, param: str) -> None:
+    """Refuse an image whose decoding costs more than its pixels: a PNG whose image data
+    inflates past what its header's width, height, depth and interlacing need (inflated
+    here in 64 KiB steps, counting, never whole), a JPEG of more than ``MAX_JPEG_SCANS``
+    scans."""
+    if fmt == "PNG":
+        _check_png(data, param)
+    elif fmt == "JPEG":
+        # In entropy-coded data every 0xFF is followed by 0x00 or a restart marker: a
+        # 0xFF 0xDA pair is always a start-of-scan marker.
+        scans = data.count(b"\xff\xda")
+        if scans > MAX_JPEG_SCANS:
+            raise PayloadTooLarge(
+                f"the JPEG has {scans} scans; at most {MAX_JPEG_SCANS} are decoded (each "
+                "one decodes the whole image again)",
+                param=param,
+                code="image_too_large",
+            )
+
+
+def png_data_bytes(width: int, height: int, bits: int, interlaced: bool) -> int:
+    """The bytes a PNG's inflated image data has: a filter byte per row, then the row's
+    pixels at ``bits`` per pixel; seven smaller images when interlaced (Adam7)."""
+    if not interlaced:
+        return height * (1 + (width * bits + 7) // 8)
+    total = 0
+    for x0, y0, dx, dy in _ADAM7:
+        cols = (width - x0 + dx - 1) // dx if width > x0 else 0
+        rows = (height - y0 + dy - 1) // dy if height > y0 else 0
+        if cols and rows:
+            total += rows * (1 + (cols * bits + 7) // 8)
+    return total
+
+
+def _check_png(data: bytes, param: str) -> None:
+    if len(data) < 33:
+        return  # Pillow read a header from it: nothing to inflate
+    width, height, depth, color, _, _, interlace = struct.unpack(">IIBBBBB", data[16:29])
+    need = png_data_bytes(width, height, depth * _PNG_CHANNELS.get(color, 4), interlace == 1)
+    inflater = zlib.decompressobj()
+    got = 0
+    pos = 8
+    while pos + 8 <= len(data):
+        length, kind = struct.unpack(">I4s", data[pos : pos + 8])
+        if kind == b"IDAT":
+            chunk = data[pos + 8 : pos + 8 + length]
+            while chunk:
+                try:
+                    got += len(inflater.decompress(chunk, 65536))
+                except zlib.error as exc:
+                    raise BadRequest(
+                        f"the image is damaged (its data does not inflate: {exc})",
+                        param=param,
+                        code="invalid_image",
+                    ) from None
+                if got > need:
+                    raise PayloadTooLarge(
+                        f"the PNG's image data inflates to more than the {need:,} bytes its "
+                        f"{width} x {height} pixels need (a decompression bomb)",
+                        param=param,
+                        code="image_too_large",
+                    )
+                chunk = inflater.unconsumed_tail
+        elif kind == b"IEND":
+            break
+        pos += 12 + length
 
 
 def _too_large(size: str, limits: ImageLimits, param: str) -> PayloadTooLarge:
@@ -228,6 +321,7 @@ async def check_images(
             "Send fewer images or raise the context (--ctx / max_ctx).",
             details={"image_tokens": len(parts) * per_image, "n_ctx": max_ctx},
         )
+    decoded = 0
     for i, j, part in parts:
         param = f"messages[{i}].content[{j}].image_url.url"
         spot = part.image_url or {}
@@ -240,6 +334,15 @@ async def check_images(
         else:
             data, encoded = decode_data_url(url, limits, param)
         checked = inspect(data, limits, param)
+        decoded += checked.width * checked.height * DECODED_BYTES_PER_PIXEL
+        if decoded > limits.max_decoded:
+            raise PayloadTooLarge(
+                f"the request's images decode to {format_size(decoded)} (width x height x "
+                f"{DECODED_BYTES_PER_PIXEL} each); max_decoded_image_bytes is "
+                f"{format_size(limits.max_decoded)}: send fewer or smaller images",
+                param=param,
+                code="image_too_large",
+            )
         # The engine gets exactly what was checked: a data: URL with the format found (it
         # would fetch an http URL itself, and it reads the media type from the prefix).
         spot["url"] = checked.data_url_prefix + encoded

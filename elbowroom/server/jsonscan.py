@@ -18,12 +18,19 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from elbowroom.errors import BadRequest, PayloadTooLarge
+from elbowroom.server.schema_limits import check_schemas
 
 _TOKEN = re.compile(rb'("[^"]*")|([\[{])|([\]}])|(,)')
+# Every byte the scan does not look at: deleted first (bytes.translate, at memory speed), so
+# the regex never walks a long run of digits or text position by position (32 MB of
+# 4,299-digit integers took the regex 5 s; their structure alone takes milliseconds). A
+# string's inner brackets and commas stay between its quotes: the matches are the same.
+_UNSEEN = bytes(sorted(set(range(256)) - set(b'"[]{},')))
 _STRING, _OPEN, _CLOSE, _COMMA = 1, 2, 3, 4
 
 
@@ -40,6 +47,11 @@ class Limits:
     max_messages: int
     max_stop: int
     max_stop_chars: int
+    # JSON schemas a grammar is compiled from (schema_limits.py); integers' digits.
+    max_schema_bytes: int = 32 * 1024
+    max_schema_members: int = 256
+    max_schema_repeat: int = 1024
+    max_int_digits: int = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +68,7 @@ def scan(body: bytes | bytearray, max_values: int, max_depth: int) -> int:
     text = body
     if b"\\" in text:
         text = text.replace(b"\\\\", b"__").replace(b'\\"', b"__")
+    text = text.translate(None, _UNSEEN)
     values = depth = 0
     for match in _TOKEN.finditer(text):
         kind = match.lastindex
@@ -83,7 +96,9 @@ def inspect(body: bytes | bytearray, path: str, limits: Limits) -> Inspected:
     """Scan, parse and check ``body`` sent to ``path``; raise the error a client should see."""
     scan(body, limits.max_values, limits.max_depth)
     try:
-        value = json.loads(body)
+        value = json.loads(body, parse_int=_int_parser(limits.max_int_digits))
+    except BadRequest:
+        raise
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         reason = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
         raise BadRequest(f"The request body is not valid JSON: {reason}") from None
@@ -108,7 +123,30 @@ def inspect(body: bytes | bytearray, path: str, limits: Limits) -> Inspected:
     options = value.get("options")  # Ollama's
     if isinstance(options, dict):
         check_stop(options.get("stop"), limits)
+    check_schemas(
+        value,
+        max_bytes=limits.max_schema_bytes,
+        max_members=limits.max_schema_members,
+        max_repeat=limits.max_schema_repeat,
+    )
     return Inspected(value, chars, prompt_chars(path, value))
+
+
+def _int_parser(max_digits: int) -> Callable[[str], int]:
+    """``json.loads``'s ``parse_int``: an integer literal of more than ``max_digits``
+    digits is a 400 before ``int()`` sees it (converting a 4,299-digit literal costs
+    quadratic time: 32 MB of them held the interpreter for seconds)."""
+
+    def parse(text: str) -> int:
+        if len(text.lstrip("-")) > max_digits:
+            raise BadRequest(
+                f"The JSON body has an integer of {len(text.lstrip('-'))} digits; at most "
+                f"{max_digits} are allowed (max_int_digits)",
+                code="integer_too_long",
+            )
+        return int(text)
+
+    return parse
 
 
 def count_chars(value: Any) -> int:
@@ -146,12 +184,18 @@ def check_stop(stop: Any, limits: Limits) -> None:
 
 
 def prompt_chars(path: str, body: dict[str, Any]) -> int:
-    """Characters of the prompt text of a chat or completion request (0 for other routes)."""
+    """Characters of the text a chat or completion request puts into the model's prompt (0
+    for other routes): every message's content (and its tool calls' names and arguments),
+    the tools' names, descriptions and schemas (the chat template writes them out), Ollama's
+    ``system``, the completion's ``prompt`` and ``suffix``. Keys and the template's own
+    text are not counted: a lower bound."""
     if path in CHAT_PATHS:
         total = 0
         messages = body.get("messages")
         for message in messages if isinstance(messages, list) else ():
-            content = message.get("content") if isinstance(message, dict) else None
+            if not isinstance(message, dict):
+                continue
+            content = message.get("content")
             if isinstance(content, str):
                 total += len(content)
             elif isinstance(content, list):
@@ -160,13 +204,16 @@ def prompt_chars(path: str, body: dict[str, Any]) -> int:
                     for p in content
                     if isinstance(p, dict) and isinstance(p.get("text"), str)
                 )
-        return total
+            total += count_chars(message.get("tool_calls"))
+        return total + count_chars(body.get("tools"))
     if path in COMPLETION_PATHS:
+        total = sum(len(v) for v in (body.get("system"), body.get("suffix")) if isinstance(v, str))
         prompt = body.get("prompt")
         if isinstance(prompt, str):
-            return len(prompt)
+            return total + len(prompt)
         if isinstance(prompt, list):
-            return sum(len(p) for p in prompt if isinstance(p, str))
+            return total + sum(len(p) for p in prompt if isinstance(p, str))
+        return total
     return 0
 
 

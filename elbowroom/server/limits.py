@@ -35,6 +35,7 @@ from elbowroom.errors import (
     ElbowroomError,
     ModelNotFound,
     PayloadTooLarge,
+    RequestTimeout,
     Unavailable,
     UnsupportedMediaType,
 )
@@ -74,6 +75,10 @@ def limits_of(settings: Settings) -> Limits:
         max_messages=settings.max_messages,
         max_stop=settings.max_stop,
         max_stop_chars=settings.max_stop_chars,
+        max_schema_bytes=settings.max_schema_bytes,
+        max_schema_members=settings.max_schema_members,
+        max_schema_repeat=settings.max_schema_repeat,
+        max_int_digits=settings.max_int_digits,
     )
 
 
@@ -118,10 +123,13 @@ class BodyGate:
         try:
             # Ollama reads any body as JSON (its docs use plain `curl -d`): so do its routes.
             json_only = not is_ollama_path(path)
-            if declared is not None and json_only:
-                _check_media_type(header(scope, b"content-type"))
-                if declared > self.settings.max_body:
+            if declared is not None:
+                if json_only:
+                    _check_media_type(header(scope, b"content-type"))
+                if declared > self.settings.max_body:  # every route, Ollama's too
                     raise self._too_large(declared)
+                if declared > SMALL_BODY and self.inflight.held + declared > self.inflight.cap:
+                    self._take(declared)  # refused now, not after the client sent it
             # No Content-Length: chunked, HTTP/2, or no body at all; counted as it comes.
             body, held = await self._read(receive, declared)
             if body is None:
@@ -144,23 +152,37 @@ class BodyGate:
 
     async def _read(self, receive: Receive, declared: int | None) -> tuple[bytearray | None, int]:
         """The whole body, or None on disconnect; the bytes taken from ``inflight``. A
-        bytearray, never copied: scan, parse and route all read it as it is."""
+        bytearray, never copied: scan, parse and route all read it as it is.
+
+        Bytes are taken from ``inflight`` as they arrive (with a margin), never for what a
+        ``Content-Length`` only promises: a connection that declares 32 MiB and sends
+        nothing holds nothing. Each wait for more of the body ends after ``body_timeout``
+        with a 408, and what the body held is given back."""
         held = 0
-        if declared is not None and declared > SMALL_BODY:
-            held = self._take(declared)
         buf = bytearray()
         try:
             while True:
-                message = await receive()
+                try:
+                    message = await asyncio.wait_for(receive(), self.settings.body_timeout)
+                except TimeoutError:
+                    raise RequestTimeout(
+                        f"The request body stopped arriving: nothing for "
+                        f"{self.settings.body_timeout:g} s after {len(buf)} bytes "
+                        "(body_timeout)",
+                        code="body_timeout",
+                    ) from None
                 if message["type"] == "http.disconnect":
                     self.inflight.give(held)
                     return None, 0
                 buf += message.get("body", b"")
                 if len(buf) > self.settings.max_body:
                     raise self._too_large(len(buf))
-                if declared is None and len(buf) > max(held, SMALL_BODY):
-                    # chunked: hold what arrived, plus a margin for the next chunks
-                    held += self._take(len(buf) + SMALL_BODY - held)
+                if len(buf) > max(held, SMALL_BODY):
+                    # hold what arrived, plus a margin for the next chunks
+                    want = len(buf) + SMALL_BODY
+                    if declared is not None:
+                        want = min(want, max(declared, len(buf)))
+                    held += self._take(want - held)
                 if not message.get("more_body", False):
                     return buf, held
         except BaseException:

@@ -27,6 +27,7 @@ from elbowroom.models.spec import ModelKind, ModelSpec
 from elbowroom.server import admin_routes
 from elbowroom.server import ollama_models as views
 from elbowroom.server import ollama_shapes as shapes
+from elbowroom.server.auth import ADMIN_SCOPE_KEY
 from elbowroom.server.deps import Services, get_services, parse_keep_alive
 from elbowroom.server.embeddings_routes import check_inputs
 from elbowroom.server.errors import validation_to_bad_request
@@ -148,7 +149,10 @@ async def ps(request: Request) -> dict[str, Any]:
             spec = services.catalog.get(row["id"])
         except ModelNotFound:
             continue
-        models.append(views.ps_entry(spec, row, now))
+        entry = views.ps_entry(spec, row, now)
+        if request.scope.get(ADMIN_SCOPE_KEY) is False:
+            entry.pop("pid", None)  # an inference key learns no process ids
+        models.append(entry)
     summary = admin_routes.summary(services.scheduler.memory_report())
     return {"models": models, "memory": summary}
 

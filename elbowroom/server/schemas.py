@@ -141,7 +141,9 @@ class _Sampling(_Refusing):
     @classmethod
     def _token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key in v or {}:
-            if not key.isdigit():
+            # ASCII digits only ("²" is a digit to str.isdigit, not to int) and short: a
+            # token id has at most 10 digits; a 5,000-digit key was a 500.
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
                 raise ValueError(
                     f"logit_bias keys are token ids as strings (e.g. '42'), not {key!r}"
                 )

@@ -10,6 +10,7 @@ with`` block ends, whatever happens inside it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -23,7 +24,7 @@ from fastapi import Request
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
-from elbowroom.errors import BadRequest, PayloadTooLarge
+from elbowroom.errors import BadRequest, PayloadTooLarge, RequestTimeout
 from elbowroom.units import format_size
 
 # Room for the text fields and the part headers on top of the file itself.
@@ -175,8 +176,10 @@ async def receive_form(
     max_file: int,
     file_field: str = "file",
     directory: str | None = None,
+    timeout: float | None = None,
 ) -> AsyncIterator[Form]:
-    """Parse the request's multipart body; the file part (``file_field``) lands on disk."""
+    """Parse the request's multipart body; the file part (``file_field``) lands on disk.
+    ``timeout``: seconds without a byte of the body before a 408 (``body_timeout``)."""
     content_type, params = parse_options_header(request.headers.get("content-type", ""))
     boundary = params.get(b"boundary")
     if content_type != b"multipart/form-data" or not boundary:
@@ -188,7 +191,17 @@ async def receive_form(
     try:
         parser = MultipartParser(boundary, collector.callbacks())
         try:
-            async for chunk in request.stream():
+            chunks = request.stream()
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(anext(chunks), timeout)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    raise RequestTimeout(
+                        f"The upload stopped arriving: nothing for {timeout:g} s (body_timeout)",
+                        code="body_timeout",
+                    ) from None
                 parser.write(chunk)
             parser.finalize()
         except MultipartParseError as exc:

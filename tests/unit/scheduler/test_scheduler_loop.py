@@ -20,6 +20,8 @@ from elbowroom.errors import (
     QueueFull,
     RunnerBackoff,
     RunnerCrashed,
+    Unavailable,
+    Unprocessable,
 )
 from elbowroom.models.spec import ModelKind
 from elbowroom.scheduler import loop
@@ -616,6 +618,30 @@ def test_failed_loads_count_toward_backoff() -> None:
         with pytest.raises(RunnerBackoff) as err:
             await request(h, "a")
         assert "exit code 3" in err.value.message
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        Unavailable("did not load (load_timeout)", code="load_timeout"),
+        Unprocessable("the model file lists no tensors", code="model_has_no_tensors"),
+    ],
+)
+def test_loads_that_time_out_or_cannot_load_count_toward_backoff(failure: Exception) -> None:
+    """A chat template that loops while the model loads: each request started a runner
+    that spun until load_timeout (180 s of a core each); a GGUF without tensors started a
+    runner per request too."""
+
+    async def scenario() -> None:
+        h = harness(A, crash_backoff_initial=10)
+        h.machine.fail_starts["a"] = failure
+        for _ in range(2):
+            with pytest.raises(type(failure)):
+                await request(h, "a")
+        with pytest.raises(RunnerBackoff):
+            await request(h, "a")
 
     run(scenario())
 

@@ -401,3 +401,196 @@ def test_translations_aliases_and_alias_model_cards(
     assert card["id"] == "whisper-1" and card["root"] == "whisper-tiny.en"
     assert client.get("/v1/models/gpt-4o-mini-tts").json()["root"] == "piper-en-us-joe"
     assert client.get("/v1/models/text-embedding-3-small").status_code == 404  # none here
+
+
+class _Hanging(Scheduler):
+    """A runner that works until its request is closed (what cancels it in the worker)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed: list[str] = []
+
+    @asynccontextmanager
+    async def use(self, model_id: str, keep_alive: float | None = None) -> AsyncIterator[Any]:
+        yield _HangingRunner(self)
+
+
+class _HangingRunner:
+    def __init__(self, scheduler: _Hanging) -> None:
+        self.s = scheduler
+
+    async def request(self, op: str, payload: Any) -> AsyncIterator[dict[str, Any]]:
+        self.s.calls.append(("", op, payload))
+        try:
+            yield {"type": "progress"}
+            await anyio.sleep(3600)
+            yield {"type": "done"}
+        finally:
+            self.s.closed.append(op)
+
+
+@pytest.mark.parametrize(
+    ("path", "content_type", "body"),
+    [
+        (
+            "/v1/audio/transcriptions",
+            b"multipart/form-data; boundary=b",
+            b'--b\r\nContent-Disposition: form-data; name="model"\r\n\r\nwhisper-1\r\n'
+            b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n'
+            b"Content-Type: audio/wav\r\n\r\naudio!\r\n--b--\r\n",
+        ),
+        (
+            "/v1/audio/speech",
+            b"application/json",
+            b'{"model": "piper-en-us-joe", "input": "hello", "voice": "joe"}',
+        ),
+    ],
+)
+def test_a_client_that_leaves_stops_the_work(path: str, content_type: bytes, body: bytes) -> None:
+    """An abandoned 10-minute transcription kept whisper on a core for 3.5 minutes."""
+    scheduler = _Hanging()
+    catalog = Catalog(
+        make_spec("whisper-tiny.en", ModelKind.ASR), make_spec("piper-en-us-joe", ModelKind.TTS)
+    )
+    settings = Settings(max_upload=1000, max_speech_chars=20)
+    app = create_app(
+        settings, services=Services(settings=settings, catalog=catalog, scheduler=scheduler)
+    )
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        if pending:
+            return pending.pop()
+        while not scheduler.calls and not scheduler.closed:
+            await anyio.sleep(0.01)
+        await anyio.sleep(0.05)
+        return {"type": "http.disconnect"}  # the client leaves while the work runs
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"content-type", content_type),
+            (b"content-length", str(len(body)).encode()),
+            (b"host", b"localhost"),
+        ],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+
+    async def run() -> None:
+        with anyio.fail_after(30):  # only the disconnect can end this call
+            await app(scope, receive, send)
+
+    anyio.run(run)
+    assert scheduler.closed == [path.rsplit("/", 1)[1].replace("transcriptions", "transcribe")]
+
+
+def test_a_client_gone_mid_upload_is_not_a_500(caplog: pytest.LogCaptureFixture) -> None:
+    """It was logged as an internal error and counted as a 500."""
+    scheduler = Scheduler()
+    catalog = Catalog(make_spec("whisper-tiny.en", ModelKind.ASR))
+    settings = Settings(max_upload=1000)
+    app = create_app(
+        settings, services=Services(settings=settings, catalog=catalog, scheduler=scheduler)
+    )
+    part = (
+        b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n'
+        b"Content-Type: audio/wav\r\n\r\naud"
+    )
+    pending = [
+        {"type": "http.request", "body": part, "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return pending.pop(0)
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    path = "/v1/audio/transcriptions"
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"content-type", b"multipart/form-data; boundary=b"),
+            (b"content-length", b"900"),
+            (b"host", b"localhost"),
+        ],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+    anyio.run(app, scope, receive, send)
+    assert sent[0]["status"] == 499
+    assert "internal error" not in caplog.text
+    assert scheduler.calls == []
+
+
+def test_a_stalled_upload_times_out() -> None:
+    """Uploads skip the JSON body gate: a stalled one held its connection for good."""
+    scheduler = Scheduler()
+    catalog = Catalog(make_spec("whisper-tiny.en", ModelKind.ASR))
+    settings = Settings(max_upload=1000, body_timeout=0.3)
+    app = create_app(
+        settings, services=Services(settings=settings, catalog=catalog, scheduler=scheduler)
+    )
+    part = b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\nau'
+    pending = [{"type": "http.request", "body": part, "more_body": True}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        if pending:
+            return pending.pop(0)
+        await anyio.sleep(3600)  # the client sends nothing more and stays
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    path = "/v1/audio/transcriptions"
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"content-type", b"multipart/form-data; boundary=b"),
+            (b"content-length", b"900"),
+            (b"host", b"localhost"),
+        ],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+
+    async def run() -> None:
+        with anyio.fail_after(30):
+            await app(scope, receive, send)
+
+    anyio.run(run)
+    assert sent[0]["status"] == 408
+    assert scheduler.calls == []
