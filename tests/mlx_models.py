@@ -16,7 +16,9 @@ Needs ``mlx`` and ``mlx-lm`` (the ``mlx`` extra); callers skip without them.
 
 from __future__ import annotations
 
+import functools
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -53,11 +55,25 @@ def _hf_name(name: str) -> str:
 
 
 def write_tokenizer(dest: Path, gguf: Path | None = None) -> None:
-    """tokenizer.json + tokenizer_config.json from the GGUF's byte-level BPE vocabulary."""
+    """tokenizer.json + tokenizer_config.json from the GGUF's byte-level BPE vocabulary
+    (built once per process, then copied)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name, data in _tokenizer_files(str(gguf or _gguf_path())).items():
+        (dest / name).write_bytes(data)
+
+
+@functools.cache
+def _tokenizer_files(gguf: str) -> dict[str, bytes]:
+    with tempfile.TemporaryDirectory() as tmp:
+        _build_tokenizer(Path(tmp), Path(gguf))
+        return {p.name: p.read_bytes() for p in Path(tmp).iterdir()}
+
+
+def _build_tokenizer(dest: Path, gguf: Path) -> None:
     from gguf import GGUFReader
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    reader = GGUFReader(str(gguf or _gguf_path()))
+    reader = GGUFReader(str(gguf))
 
     def field(key: str) -> Any:
         return reader.fields[key].contents()
@@ -88,6 +104,16 @@ def write_tokenizer(dest: Path, gguf: Path | None = None) -> None:
         "clean_up_tokenization_spaces": False,
     }
     (dest / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+
+
+def have_mlx() -> str | None:
+    """None when mlx and mlx-lm import, else why not (a skip reason)."""
+    import importlib.util
+
+    for name in ("mlx", "mlx_lm"):
+        if importlib.util.find_spec(name) is None:
+            return f"{name} is not installed (pip install 'elbowroom[mlx]')"
+    return None
 
 
 def smollm2_mlx(dest: Path) -> Path:

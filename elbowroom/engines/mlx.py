@@ -68,6 +68,7 @@ class MlxEngine:
         self._lock = threading.Lock()
         self._busy = 0
         self._served = 0
+        self._generated = 0  # tokens generated since load (all requests)
         self._limits: dict[str, int] = {}
         self._preallocated = False
         self.max_concurrent = 1
@@ -111,6 +112,13 @@ class MlxEngine:
             raise EngineError(f"MLX could not load {spec.id}: {exc}") from exc
         except (ValueError, KeyError, OSError) as exc:
             raise EngineError(f"MLX could not load {spec.id}: {exc}") from exc
+        n_tokens = len(getattr(tok, "_tokenizer", tok))
+        if n_tokens > spec.mlx.vocab:
+            # An id past the embedding table crashes MLX's CPU gather (SIGSEGV), not a raise.
+            raise EngineError(
+                f"cannot load {spec.id}: its tokenizer has {n_tokens} tokens, the model's "
+                f"vocabulary only {spec.mlx.vocab}"
+            )
         self._model, self._tok = model, tok
         self._n_ctx = opts.n_ctx
         self._cache = self._new_cache(mx)
@@ -169,11 +177,12 @@ class MlxEngine:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            busy, served = self._busy, self._served
+            busy, served, generated = self._busy, self._served, self._generated
         out: dict[str, Any] = {
             "slots": 1,
             "slots_busy": busy,
             "requests_served": served,
+            "tokens_generated": generated,
             "prompt_cache_grant": self._ram_max,
         }
         try:
@@ -407,6 +416,7 @@ class MlxEngine:
             t = int(token.item())
             self._held.append(int(y.item()))
             n_out += 1
+            self._generated += 1
             if t in eos:
                 finish = "stop"
                 self._held.append(t)

@@ -12,7 +12,7 @@ buffers; on macOS that is the unified pool):
                (the engine allocates each slot's cache for its whole context at load)
     compute  = the prefill chunk's activations (MLX_PREFILL_CHUNK tokens) + its attention
                scores over the context + one row of logits (the part serving adds)
-    runtime  = the interpreter with mlx, mlx-lm, transformers' tokenizer imported
+    runtime  = the interpreter with mlx, mlx-lm, transformers' tokenizer imported (measured)
 The buffer cache is capped at the compute size, so freed buffers MLX keeps for reuse stay
 inside the prediction.
 """
@@ -52,16 +52,18 @@ MAX_HEADER = 100 * MiB  # a safetensors header larger than this is not one
 MLX_PREFILL_CHUNK = 256
 KV_STEP = 256  # mlx-lm's KVCache grows in steps of this many tokens
 
-# Measured on this machine (x86_64, Linux, mlx[cpu] 0.32, mlx-lm 0.32, Python 3.11): a
-# runner with mlx, mlx-lm and the tokenizer imported, before any weights (anonymous / file).
-MLX_RUNTIME_ANON = 150 * MiB
-MLX_RUNTIME_FILE = 60 * MiB
-# Per vocabulary entry: the tokenizer's tables (tokenizers' Rust side, the Python maps).
-MLX_PER_VOCAB = 600
-# Compute: bytes per (chunk token x width) of the transformer block's live activations
-# (f32 intermediates on the CPU), fitted with benchmarks/mlx_footprint.py.
-COMPUTE_PER_WIDTH = 4 * 4
-SCORE_BYTES = 4 * 3  # attention scores per head x chunk token x context cell (f32 + softmax)
+# Measured on this machine (x86_64, Linux, mlx[cpu] 0.32.4, mlx-lm 0.32.2, Python 3.11) with
+# ``benchmarks/mlx_footprint.py --calibrate`` (a 2-layer, 64-wide model, not one of the
+# held-out shapes): a loaded runner less its weights and KV is 107.6 MiB anonymous (the
+# interpreter, mlx, mlx-lm, transformers and the tokenizer's tables) and 38.7 MiB of mapped
+# libraries, 43.8 MiB once a request has run.
+MLX_RUNTIME_ANON = 108 * MiB
+MLX_RUNTIME_FILE = 44 * MiB
+# Compute: bytes per (chunk token x width) of the block's live activations (float32 on the
+# CPU) and per (head x chunk token x context cell) of attention scores; read from
+# ``mx.get_peak_memory`` less weights and KV on the calibration model (a full-context prompt).
+COMPUTE_PER_WIDTH = 8
+SCORE_BYTES = 4
 
 
 class InvalidMLX(ValueError):
@@ -255,7 +257,7 @@ def mlx_footprint(info: MLXInfo, n_ctx: int, slots: int = 1, cpu: bool | None = 
     weights = weight_bytes(info, cpu)
     kv = kv_bytes(scaled, n_ctx, slots)
     compute = compute_bytes(scaled, n_ctx)
-    overhead = MLX_RUNTIME_ANON + MLX_PER_VOCAB * info.vocab + compute
+    overhead = MLX_RUNTIME_ANON + compute
     return Footprint(
         weights=info.tensor_bytes,
         file_backed=MLX_RUNTIME_FILE,
