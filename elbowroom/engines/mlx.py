@@ -98,7 +98,9 @@ class MlxEngine:
             mx.set_cache_limit(opts.cache_limit)
         self._limits = {"memory_limit": opts.memory_limit, "cache_limit": opts.cache_limit}
         try:
-            model, tok = mlx_lm.load(str(spec.path))
+            # Lazy: each tensor is read and (on a CPU) converted on its own when evaluated,
+            # so a half-precision model never holds both copies of its weights at once.
+            model, tok = mlx_lm.load(str(spec.path), lazy=True)
             if on_cpu():
                 model.set_dtype(mx.float32)  # CPU kernels: float32 is the fast path
             mx.eval(model.parameters())
