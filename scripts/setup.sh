@@ -28,9 +28,10 @@ if [ -f "$VENV/.elbowroom-setup" ] && [ "$(cat "$VENV/.elbowroom-setup")" = "$wa
 fi
 
 # Optional engines: asr (faster-whisper, pocketsphinx), tts (piper-tts, GPL-3.0), embed
-# (onnxruntime); cluster (Ray, for serve --cluster and its tests). ELBOWROOM_EXTRAS=asr,embed
+# (onnxruntime); cluster (Ray, for serve --cluster and its tests); mlx (MLX models: mlx[cpu]
+# on Linux, mlx on macOS, and mlx-lm; ~1 min of wheels here). ELBOWROOM_EXTRAS=asr,embed
 # leaves the GPL piper out.
-EXTRAS=${ELBOWROOM_EXTRAS:-asr,tts,embed,cluster}
+EXTRAS=${ELBOWROOM_EXTRAS:-asr,tts,embed,cluster,mlx}
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 # Some machines' pip configs name local index folders that do not exist; pip warns about
