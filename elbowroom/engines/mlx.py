@@ -66,6 +66,9 @@ class MlxEngine:
         self._ram_max = 0
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._lock = threading.Lock()
+        # Held while a request uses the model and its cache; relieve (on its own thread)
+        # saves the slot's state only when it can take it at once.
+        self._run_lock = threading.Lock()
         self._busy = 0
         self._served = 0
         self._generated = 0  # tokens generated since load (all requests)
@@ -205,15 +208,14 @@ class MlxEngine:
     def relieve(self, level: int) -> None:
         """Pressure rose: give MLX's cached buffers back, shrink the prompt cache's RAM tier
         (what no longer fits spills to disk) and save the slot's state there."""
-        mx = _mod("mlx.core")
-
-        mx.clear_cache()
         if self._prefix is not None:
             self._prefix.set_ram_budget(budget_for_level(level, self._ram_max))
-            with self._lock:
-                idle = self._busy == 0
-            if idle:
-                self._save_slot()
+            if self._run_lock.acquire(blocking=False):  # idle: nothing uses the cache
+                try:
+                    self._save_slot()
+                finally:
+                    self._run_lock.release()
+        _mod("mlx.core").clear_cache()  # last: saving the state allocated buffers too
 
     def close(self, *, process_exit: bool = False) -> None:
         if self._prefix is not None:
@@ -341,7 +343,10 @@ class MlxEngine:
         with self._lock:
             self._busy += 1
         try:
-            return self._generate(payload, emit, cancelled)
+            with self._run_lock:
+                if self._prefix is not None:  # back to the whole grant once pressure eased
+                    self._prefix.set_ram_budget(budget_for_level(self._pressure(), self._ram_max))
+                return self._generate(payload, emit, cancelled)
         finally:
             mx = _mod("mlx.core")
 

@@ -241,3 +241,19 @@ def test_smollm2_converted_from_gguf_answers_in_real_text(
     finally:
         eng.close()
     assert "Paris" in out["text"], out
+
+
+def test_soft_pressure_empties_the_buffer_cache_and_shrinks_the_ram_tier(engine: Any) -> None:
+    grant = engine.stats()["kv_cache"]["ram_budget"]
+    run(engine, completion("Pressure test preamble, long enough to keep. " * 12, max_tokens=2))
+    engine.pressure.level = 1
+    try:
+        engine.relieve(1)
+        stats = engine.stats()
+        assert stats["mlx"]["cache"] == 0
+        assert stats["kv_cache"]["ram_budget"] == grant // 4
+        assert stats["kv_cache"]["entries_ram"] + stats["kv_cache"]["entries_disk"] >= 1
+    finally:
+        engine.pressure.level = 0
+    run(engine, completion(max_tokens=1))  # pressure eased: the whole grant again
+    assert engine.stats()["kv_cache"]["ram_budget"] == grant
