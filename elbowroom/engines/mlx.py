@@ -101,9 +101,10 @@ class MlxEngine:
             mx.set_cache_limit(opts.cache_limit)
         self._limits = {"memory_limit": opts.memory_limit, "cache_limit": opts.cache_limit}
         try:
-            # Lazy: each tensor is read and (on a CPU) converted on its own when evaluated,
-            # so a half-precision model never holds both copies of its weights at once.
-            model, tok = mlx_lm.load(str(spec.path), lazy=True)
+            # Not lazy: a lazily loaded tensor is not resident until first used, so the
+            # measurement right after load would miss it. (On a CPU a half-precision model
+            # holds both copies of its weights while they are converted: docs/mlx.md.)
+            model, tok = mlx_lm.load(str(spec.path))
             if on_cpu():
                 model.set_dtype(mx.float32)  # CPU kernels: float32 is the fast path
             mx.eval(model.parameters())
