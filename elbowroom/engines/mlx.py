@@ -404,34 +404,45 @@ class MlxEngine:
         detok.reset()
         eos = set(getattr(self._tok, "eos_token_ids", ()) or ())
         history = mx.array(prompt)
-        y = mx.array(prompt[-1:])
+
+        def step(fed: Any, hist: Any) -> Any:
+            """The graph of the token after ``fed`` (lazy: nothing runs yet)."""
+            logits = model(fed[None], cache=cache)[:, -1, :]
+            for proc in processors:
+                logits = proc(hist, logits)
+            return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
         finish = "length"
         n_out = 0
-        room = self._n_ctx - len(prompt)
-        limit = min(req.max_tokens, room)
-        while n_out < limit:
+        limit = min(req.max_tokens, self._n_ctx - len(prompt))
+        # Pipelined as mlx-lm's generate_step: the next token's graph is queued
+        # (async_eval) before this one is read, so Python's per-token work overlaps the
+        # model's. Every token handed to the model is in ``_held`` from then on.
+        nxt = step(mx.array(prompt[-1:]), history)
+        mx.async_eval(nxt)
+        self._held.append(prompt[-1])
+        while limit > 0:
             if cancelled():
                 finish = "cancelled"
                 break
             if self._pressure() >= Pressure.HARD:
                 finish = "pressure"
                 break
-            logits = model(y[None], cache=cache)[:, -1, :]
-            for proc in processors:
-                logits = proc(history, logits)
-            token = sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-            mx.eval(token)
+            token = nxt
+            more = n_out + 1 < limit
+            if more:
+                if processors:
+                    history = mx.concatenate([history, token])
+                nxt = step(token, history)
+                mx.async_eval(nxt)
             t = int(token.item())
-            self._held.append(int(y.item()))
             n_out += 1
             self._generated += 1
+            if more:
+                self._held.append(t)
             if t in eos:
                 finish = "stop"
-                self._held.append(t)
-                _advance(cache, t, model, mx)
                 break
-            if processors:
-                history = mx.concatenate([history, token])
             detok.add_token(t)
             piece, stopped = scanner.feed(detok.last_segment)
             if piece:
@@ -439,7 +450,9 @@ class MlxEngine:
             if stopped:
                 finish = "stop"
                 break
-            y = token
+            if not more:
+                break
+        mx.eval(nxt)  # the queued step has written its KV: the cache holds ``_held``
         detok.finalize()
         if not scanner.stopped:
             piece, _ = scanner.feed(detok.last_segment)
@@ -490,12 +503,6 @@ class MlxEngine:
 def _mod(name: str) -> Any:
     """An MLX module, untyped (mlx and mlx-lm ship partial type information)."""
     return importlib.import_module(name)
-
-
-def _advance(cache: list[Any], token: int, model: Any, mx: Any) -> None:
-    """Put the final token's KV in the cache too, so the next turn reuses all of it."""
-    model(mx.array([token])[None], cache=cache)
-    mx.eval([c.keys for c in cache])
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:
