@@ -1,7 +1,7 @@
 """MLX prompt cache's disk tier across a restart: first token restored vs recomputed.
 
 SmolLM2-135M-Instruct as MLX (converted from the bundled GGUF, float32 scales: what the
-engine computes in on a CPU). Each round uses a new ~600-token prompt: a server loads the
+engine computes in on a CPU). Each round uses a new ~270-token prompt: a server loads the
 model and answers it cold (recompute: time to the first streamed token), stops gracefully
 (the runner saves its slot's state to the disk tier), a new server on the same data folder
 loads the model and answers the same prompt (restore from disk). The model is loaded before
@@ -41,7 +41,7 @@ TOPICS = ["rivers", "glaciers", "lighthouses", "orchards", "volcanoes", "librari
 def prompt_for(i: int) -> str:
     topic = TOPICS[i % len(TOPICS)]
     body = f"Here are careful notes about {topic}, numbered. " + " ".join(
-        f"Note {n}: {topic} change slowly and are worth observing with patience." for n in range(45)
+        f"Note {n}: {topic} change slowly and are worth observing with patience." for n in range(18)
     )
     return body + f" Summarize the notes about {topic} in one sentence."
 
@@ -121,7 +121,7 @@ def main() -> None:
     lines = [
         "# MLX prompt cache: disk tier after a restart vs recompute (first token)",
         "",
-        f"{meta['machine']}; SmolLM2-135M-Instruct as MLX 4-bit (float32 scales); a ~600-token"
+        f"{meta['machine']}; SmolLM2-135M-Instruct as MLX 4-bit (float32 scales); a ~270-token"
         f" prompt per round, new each round; {args.rounds} rounds; "
         "`benchmarks/mlx_kv_restart.py`. The machine was shared with other work: load average "
         f"per round {loads}.",
