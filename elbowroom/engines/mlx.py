@@ -347,7 +347,11 @@ class MlxEngine:
             with self._run_lock:
                 if self._prefix is not None:  # back to the whole grant once pressure eased
                     self._prefix.set_ram_budget(budget_for_level(self._pressure(), self._ram_max))
-                return self._generate(payload, emit, cancelled)
+                try:
+                    return self._generate(payload, emit, cancelled)
+                finally:
+                    if payload.isolated:  # cache_salt: its state is reused by nobody
+                        self._held = []
         finally:
             mx = _mod("mlx.core")
 

@@ -257,3 +257,10 @@ def test_soft_pressure_empties_the_buffer_cache_and_shrinks_the_ram_tier(engine:
         engine.pressure.level = 0
     run(engine, completion(max_tokens=1))  # pressure eased: the whole grant again
     assert engine.stats()["kv_cache"]["ram_budget"] == grant
+
+
+def test_an_isolated_request_leaves_no_state_for_the_next(engine: Any) -> None:
+    prompt = "Private preamble that nobody else may reuse. " * 12
+    run(engine, completion(prompt, max_tokens=2, isolated=True))
+    out, _ = run(engine, completion(prompt, max_tokens=2))
+    assert out["usage"]["cached_tokens"] == 0
