@@ -29,8 +29,9 @@ fi
 
 # Optional engines: asr (faster-whisper, pocketsphinx), tts (piper-tts, GPL-3.0), embed
 # (onnxruntime); cluster (Ray, for serve --cluster and its tests); compat (third-party clients
-# the compatibility tests drive). ELBOWROOM_EXTRAS=asr,embed leaves the GPL piper out.
-EXTRAS=${ELBOWROOM_EXTRAS:-asr,tts,embed,cluster,compat}
+# the compatibility tests drive); mlx (MLX models: mlx[cpu] on Linux, mlx on macOS, and mlx-lm;
+# ~1 min of wheels here). ELBOWROOM_EXTRAS=asr,embed leaves the GPL piper out.
+EXTRAS=${ELBOWROOM_EXTRAS:-asr,tts,embed,cluster,compat,mlx}
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 # Some machines' pip configs name local index folders that do not exist; pip warns about

@@ -244,7 +244,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     fit = verdict.fit
     largest = (
         max_context(spec, ctx.limit.ceiling, s.slots_for(spec.id), s.kv_type, None, ctx.measured)
-        if spec.gguf
+        if spec.gguf or spec.mlx
         else 0
     )
     # The server's 507 suggestions, word for word.
@@ -276,6 +276,7 @@ def _plan_dict(
             }
             if spec.gguf
             else None,
+            "mlx": asdict(spec.mlx) if spec.mlx else None,
         },
         "memory": {
             "total": snap.total,
@@ -288,10 +289,12 @@ def _plan_dict(
         "context": {
             "n_ctx": n_ctx,
             "source": how,
-            "trained": spec.gguf.trained_ctx if spec.gguf else None,
+            "trained": spec.gguf.trained_ctx
+            if spec.gguf
+            else (spec.mlx.trained_ctx if spec.mlx else None),
             "max_ctx": s.max_ctx,
             "min_ctx": s.min_ctx,
-            "largest_fitting": largest if spec.gguf else None,
+            "largest_fitting": largest if spec.gguf or spec.mlx else None,
         },
         "footprint": _footprint_dict(fp),
         "vision": _vision_dict(ctx, spec, fp),
@@ -378,6 +381,25 @@ def _plan_text(
                 f" limit (gate {s.vision_gate:.0%}): "
                 + ("REFUSED (507)" if gate.verdict is vision.Verdict.REFUSE else "passes"),
             ]
+    elif spec.mlx is not None:
+        m = spec.mlx
+        lines += [
+            f"3. weights (MLX safetensors, {m.quantization}, copied into anonymous memory):"
+            f" {fs(fp.weights)} on disk"
+            + (
+                " (float32 on this CPU: half-precision tensors double)"
+                if fp.kv_type == "f32"
+                else ""
+            ),
+            f"4. context: {n_ctx} tokens ({how}; trained {m.trained_ctx}, max_ctx {s.max_ctx},"
+            f" min_ctx {s.min_ctx}); one sequence at a time",
+            f"5. KV cache ({fp.kv_type}, allocated at load): {m.n_layers} layers × "
+            f"{m.n_kv_heads} KV heads × 2 × {m.head_dim} dims = {fs(fp.kv_bytes_per_token)}"
+            f"/token; × {n_ctx} = {fs(fp.kv_bytes)}",
+            f"6. runtime (mlx, mlx-lm, tokenizer) and compute {fs(fp.compute)}: "
+            f"{fs(fp.overhead)}; anonymous = {fs(fp.anonymous)}; libraries (file-backed) "
+            f"{fs(fp.file_backed)}{src}",
+        ]
     else:
         lines += [
             f"3. weights on disk: {fs(fp.weights)} (loaded into anonymous memory)",
@@ -391,7 +413,7 @@ def _plan_text(
         f" = {fs(fp.total)}{src}" + (f" ({fs(fp.at_load)} right after load)" if fp.working else ""),
         f"8. {fit.reason}" if fit.ok else f"8. DOES NOT FIT: {fit.reason}",
     ]
-    if spec.gguf is not None:
+    if spec.gguf is not None or spec.mlx is not None:
         lines.append(
             f"   largest context that fits: {largest}"
             + (f" (auto-sizing stops at max_ctx {s.max_ctx})" if largest > s.max_ctx else "")

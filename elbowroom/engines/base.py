@@ -73,6 +73,10 @@ def create_engine(name: str, pressure: PressureLevel = lambda: 0) -> Engine:
         from elbowroom.engines.llama_rpc import RpcLlamaEngine
 
         return RpcLlamaEngine(pressure)
+    if name == "mlx":  # MLX models (docs/mlx.md): the mlx extra
+        from elbowroom.engines.mlx import MlxEngine
+
+        return MlxEngine(pressure)
     if name == "whisper":
         from elbowroom.engines.whisper import WhisperEngine
 

@@ -9,7 +9,8 @@ mypy checks every reader and writer.
 - ``EngineOptions``: what every engine reads (whisper, pocketsphinx, piper and onnx-embed
   read nothing more);
 - ``LlamaOptions``: the LLM engine (engines/llama.py): context, slots, KV cache, offload;
-- ``RpcLlamaOptions``: a model split over nodes (engines/llama_rpc.py, docs/cluster.md).
+- ``RpcLlamaOptions``: a model split over nodes (engines/llama_rpc.py, docs/cluster.md);
+- ``MlxOptions``: an MLX model (engines/mlx.py, docs/mlx.md).
 """
 
 from __future__ import annotations
@@ -59,6 +60,21 @@ class RpcLlamaOptions(LlamaOptions):
     rpc_servers: tuple[str, ...] = ()  # host:port of each node's rpc-server, in split order
     rpc_split: tuple[int, ...] = ()  # layers per RPC server, same order
     llama_server: str | None = None  # the RPC-enabled llama-server binary; None: the default
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MlxOptions(EngineOptions):
+    """The MLX engine (engines/mlx.py, docs/mlx.md)."""
+
+    n_ctx: int = 2048  # tokens the slot's KV cache holds (allocated at load)
+    slots: int = 1  # MLX serves one sequence at a time (requests queue in the runner)
+    memory_limit: int = 0  # bytes: mx.set_memory_limit (the runner's grant); 0: MLX's own
+    cache_limit: int = 0  # bytes MLX's buffer cache may keep (mx.set_cache_limit)
+    cache_ram_bytes: int = 0  # the prompt cache's RAM tier: a grant from the budget
+    kv_cache: bool = True  # the KV disk tier (kvcache/), with kv_cache_dir and kv_disk_max
+    kv_cache_dir: str | None = None
+    kv_disk_max: int = 0
+    kv_block_tokens: int = 64
 
 
 _Kind = TypeVar("_Kind", bound=EngineOptions)

@@ -13,6 +13,8 @@ What counts as a model:
   (``x-00001-of-00003.gguf``) are listed once, by their first shard, with the size of all
   shards.
 - a folder with ``model.bin`` + ``config.json`` → whisper (CTranslate2), ASR.
+- a folder with ``config.json`` (a ``model_type``) + ``*.safetensors`` + a tokenizer → an
+  MLX LLM (engine ``mlx``, models/mlx_meta.py; served with the ``mlx`` extra).
 - a folder with ``model.onnx`` (or ``onnx/model.onnx``) + ``tokenizer.json`` → onnx-embed.
 - ``X.onnx`` with ``X.onnx.json`` beside it → piper voice, TTS.
 
@@ -35,6 +37,7 @@ from elbowroom.config import Settings
 from elbowroom.errors import ModelNotFound
 from elbowroom.models.bundled import bundled_specs, tree_size
 from elbowroom.models.gguf_meta import InvalidModel, is_mmproj, read_gguf_info
+from elbowroom.models.mlx_meta import InvalidMLX, is_mlx_dir, read_mlx_info
 from elbowroom.models.spec import GGUFInfo, Holding, ModelKind, ModelSpec
 from elbowroom.models.vision import read_projector
 
@@ -160,6 +163,8 @@ def _spec(
 def _folder_model(path: Path) -> ModelSpec | None:
     if _is_whisper_dir(path):
         return _spec(path.name, ModelKind.ASR, "whisper", path, tree_size(path), Holding.RESIDENT)
+    if is_mlx_dir(path):
+        return _mlx_model(path)
     onnx = _embed_onnx(path)
     if onnx is not None:
         return _spec(
@@ -172,6 +177,23 @@ def _folder_model(path: Path) -> ModelSpec | None:
             options={"tokenizer": str(path / "tokenizer.json")},
         )
     return None
+
+
+def _mlx_model(path: Path) -> ModelSpec:
+    try:
+        info = read_mlx_info(path)
+    except InvalidMLX as exc:
+        raise InvalidModel(f"MLX model folder {path.name}: {exc}") from exc
+    spec = _spec(
+        path.name,
+        ModelKind.LLM,
+        "mlx",
+        path,
+        info.tensor_bytes,
+        Holding.RESIDENT,  # MLX copies its weights into anonymous (unified) memory
+        description=f"{path.name} (MLX {info.model_type}, {info.quantization})",
+    )
+    return replace(spec, mlx=info)
 
 
 def _gguf_model(path: Path) -> ModelSpec | None:
@@ -237,7 +259,11 @@ def _search(root: Path, problems: list[Problem]) -> list[ModelSpec]:
             if real in seen or depth > MAX_DEPTH:
                 return
             seen.add(real)
-            model = _folder_model(folder)
+            try:
+                model = _folder_model(folder)
+            except InvalidModel as exc:  # an MLX folder that cannot be read
+                problems.append(Problem(folder, exc.message))
+                return
             if model is not None:
                 found.append(model)
                 return

@@ -42,6 +42,7 @@ from elbowroom.config import KV_TYPES
 from elbowroom.errors import BadRequest
 from elbowroom.memory.types import ProcessMemory
 from elbowroom.models.engine_build import PORTABLE, EngineBuild, engine_build
+from elbowroom.models.mlx_meta import mlx_footprint
 from elbowroom.models.spec import Footprint, GGUFInfo, ModelSpec
 from elbowroom.models.vision import extra_footprint
 from elbowroom.units import MiB
@@ -356,6 +357,8 @@ def footprint(
     if spec.gguf is not None:
         build = engine_build() if build is None else build
         predicted = _llm_footprint(spec, spec.gguf, n_ctx, slots, kv_type, build)
+    elif spec.mlx is not None:
+        predicted = mlx_footprint(spec.mlx, n_ctx, slots)
     else:
         predicted = _resident_footprint(spec)
     if isinstance(measured, ProcessMemory) or measured is None:
@@ -365,7 +368,7 @@ def footprint(
     if seen is None:
         return predicted
     anonymous, file_backed = seen.anonymous, seen.file_backed
-    if spec.gguf is not None:
+    if spec.gguf is not None or spec.mlx is not None:
         # An LLM is measured right after load (docs/models.md: what it grows into later is
         # its prompt cache, a grant): what serving adds is still the prediction's.
         anonymous += predicted.working
@@ -375,7 +378,12 @@ def footprint(
         # right after load: a calibrated prediction is a floor, a larger measurement wins.
         anonymous = max(anonymous, predicted.anonymous)
         file_backed = max(file_backed, predicted.file_backed)
-    not_overhead = predicted.kv_bytes + predicted.repacked if spec.gguf else spec.size_bytes
+    if spec.gguf is not None:
+        not_overhead = predicted.kv_bytes + predicted.repacked
+    elif spec.mlx is not None:
+        not_overhead = predicted.kv_bytes + predicted.weights
+    else:
+        not_overhead = spec.size_bytes
     return replace(
         predicted,
         file_backed=file_backed,
@@ -409,6 +417,8 @@ def prompt_cache_grant(room: int, fp: Footprint, wanted: int) -> int:
 def context_cap(spec: ModelSpec, ceiling: int | None) -> int:
     """The largest context allowed: the trained context, capped by ``ceiling``."""
     trained = spec.gguf.trained_ctx if spec.gguf is not None else 0
+    if spec.mlx is not None:
+        trained = spec.mlx.trained_ctx
     caps = [c for c in (trained, ceiling) if c]
     return min(caps) if caps else 0
 
@@ -426,7 +436,7 @@ def max_context(
     Never above the trained context nor ``ceiling``. A model trained on fewer than 256
     tokens may get its whole trained context. Non-LLMs have no context: 0.
     """
-    if spec.gguf is None:
+    if spec.gguf is None and spec.mlx is None:
         return 0
     cap = context_cap(spec, ceiling)
     if cap <= 0:

@@ -6,6 +6,10 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from elbowroom.models.mlx_meta import MLXInfo
 
 
 class ModelKind(enum.StrEnum):
@@ -98,7 +102,7 @@ class Projector:
 class ModelSpec:
     id: str  # stable, URL-safe: [a-z0-9][a-z0-9._-]*
     kind: ModelKind
-    engine: str  # "llama" | "whisper" | "piper" | "onnx-embed" | "pocketsphinx"
+    engine: str  # "llama" | "mlx" | "whisper" | "piper" | "onnx-embed" | "pocketsphinx"
     path: Path  # the file or folder the engine opens
     size_bytes: int  # weights on disk
     holding: Holding
@@ -108,6 +112,7 @@ class ModelSpec:
     # Engine-specific extra files or values (e.g. "tokenizer": path, "config": path).
     options: Mapping[str, str] = field(default_factory=dict)
     projector: Projector | None = None  # vision: the mmproj paired with this LLM
+    mlx: MLXInfo | None = None  # an MLX model folder (engine "mlx", models/mlx_meta.py)
 
     @property
     def vision(self) -> bool:
@@ -118,6 +123,10 @@ class ModelSpec:
         """Identity of the weights on disk: changes when the file is replaced."""
         st = self.path.stat()
         identity = f"{self.path.resolve()}:{st.st_size}:{int(st.st_mtime)}"
+        if self.mlx is not None:  # a folder: its weight files are what can be replaced
+            for name in self.mlx.files:
+                fst = (self.path / name).stat()
+                identity += f"+{name}:{fst.st_size}:{int(fst.st_mtime)}"
         if self.projector is not None:  # a vision model holds more than its text model
             pst = self.projector.path.stat()
             identity += f"+{self.projector.path.resolve()}:{pst.st_size}:{int(pst.st_mtime)}"

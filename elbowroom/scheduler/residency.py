@@ -373,7 +373,12 @@ class Residency:
         the larger value, so the next prediction for this model is what it really used.
         An LLM is not recorded here: what it grew into is its prompt cache, a grant, not its
         own footprint (recorded at load; docs/models.md)."""
-        if self._measured is None or rec.ready is None or rec.spec.gguf is not None:
+        if (
+            self._measured is None
+            or rec.ready is None
+            or rec.spec.gguf is not None
+            or rec.spec.mlx is not None
+        ):
             return
         if rec.spec.id in self.planned:
             return

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from elbowroom.config import Settings
-from elbowroom.engines.options import EngineOptions, LlamaOptions, Offload
+from elbowroom.engines.options import EngineOptions, LlamaOptions, MlxOptions, Offload
 from elbowroom.models.estimate import prompt_cache_grant
 from elbowroom.models.spec import Footprint, ModelSpec
 from elbowroom.scheduler.inputs import Estimator, Measurements
@@ -33,8 +33,8 @@ class Plan:
 
 
 def has_context(spec: ModelSpec) -> bool:
-    """GGUF models (llama.cpp) have a context to size; the estimate knows them by that."""
-    return spec.gguf is not None
+    """GGUF models (llama.cpp) and MLX models have a context to size."""
+    return spec.gguf is not None or spec.mlx is not None
 
 
 def unevictable_bytes(state: State, model_id: str) -> int:
@@ -56,6 +56,8 @@ def plan_load(
     When not even ``min_ctx`` fits, the plan is sized at ``min_ctx``: ``policy.decide``
     then waits for busy models or refuses with the numbers."""
     kv_type, slots = settings.kv_type, settings.slots_for(spec.id)
+    if spec.mlx is not None:  # one sequence at a time, its KV in the model's float type
+        kv_type, slots = "f16", 1
     if not has_context(spec):
         fp = estimate.footprint(spec, 0, 1, kv_type, measured)
         return Plan(LoadRequest(spec.id, fp.total), fp, 0, kv_type, 1)
@@ -73,7 +75,7 @@ def plan_load(
             n_ctx, source = settings.min_ctx, "min_ctx"
     fp = estimate.footprint(spec, n_ctx, slots, kv_type, measured)
     per_token_q8: float | None = None
-    if kv_type == "f16":
+    if kv_type == "f16" and spec.mlx is None:
         q8 = estimate.footprint(spec, n_ctx, slots, "q8_0")
         per_token_q8 = q8.kv_bytes / n_ctx
     cost = ContextCost(
@@ -113,6 +115,21 @@ def runner_ceiling(settings: Settings, plan: Plan) -> int:
 def start_options(settings: Settings, spec: ModelSpec, plan: Plan) -> EngineOptions:
     """What the runner's engine is loaded with: the options of its kind."""
     ceiling = runner_ceiling(settings, plan)
+    if spec.engine == "mlx":
+        return MlxOptions(
+            memory_ceiling=ceiling,
+            threads=settings.threads,
+            n_ctx=plan.n_ctx,
+            slots=plan.slots,
+            # MLX may hold its footprint and the prompt cache's RAM tier, nothing more.
+            memory_limit=plan.footprint.total + plan.cache_grant,
+            cache_limit=plan.footprint.compute,
+            cache_ram_bytes=plan.cache_grant,
+            kv_cache=settings.kv_cache,
+            kv_cache_dir=str(settings.kv_cache_path),
+            kv_disk_max=settings.kv_disk_max,
+            kv_block_tokens=settings.kv_block_tokens,
+        )
     if spec.engine != "llama":
         return EngineOptions(threads=settings.threads, memory_ceiling=ceiling)
     return LlamaOptions(

@@ -128,6 +128,7 @@ class ScrapeState:
     level: int | None = None  # the level the guard (or monitor) last saw
     guard: dict[str, Any] | None = None  # PressureGuard.state()
     kv: dict[str, dict[str, Any]] = field(default_factory=dict)  # model -> engine kv stats
+    mlx: dict[str, dict[str, Any]] = field(default_factory=dict)  # model -> MLX memory stats
 
 
 _LEVELS = {"normal": 0, "soft": 1, "hard": 2}
@@ -144,6 +145,27 @@ class StateCollector(Collector):
         yield from self._guard()
         if self._s.kv:
             yield from self._kv()
+        if self._s.mlx:
+            yield from self._mlx()
+
+    def _mlx(self) -> Iterable[Metric]:
+        mem = GaugeMetricFamily(
+            "elbowroom_mlx_memory_bytes",
+            "MLX's own accounting in an MLX model's runner: active (arrays in use), cache "
+            "(freed buffers kept for reuse), peak (the most active since load), limit "
+            "(mx.set_memory_limit: the runner's grant)",
+            labels=["model", "kind"],
+        )
+        for model, stats in sorted(self._s.mlx.items()):
+            for kind, key in (
+                ("active", "active"),
+                ("cache", "cache"),
+                ("peak", "peak"),
+                ("limit", "memory_limit"),
+            ):
+                if isinstance(stats.get(key), int):
+                    mem.add_metric([model, kind], stats[key])
+        yield mem
 
     def _kv(self) -> Iterable[Metric]:
         hits = CounterMetricFamily(
@@ -349,6 +371,8 @@ async def gather(services: Services | None) -> ScrapeState:
                 kv = kv_stats(result)
                 if kv:
                     state.kv[model] = kv
+                if isinstance(result.get("mlx"), Mapping):
+                    state.mlx[model] = dict(result["mlx"])
     return state
 
 
