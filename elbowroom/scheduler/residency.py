@@ -38,6 +38,7 @@ from elbowroom.errors import (
 from elbowroom.memory.monitor import Monitor, Sample
 from elbowroom.memory.types import Probe, ProcessMemory, Snapshot
 from elbowroom.models.spec import Holding, ModelSpec
+from elbowroom.models.template_check import TemplateChecker, TemplateUnsafe
 from elbowroom.runtime.protocol import Runner, RunnerFactory
 from elbowroom.scheduler import offload_plan, policy, vision_gate
 from elbowroom.scheduler.events import EventLog
@@ -76,6 +77,7 @@ class Residency:
         self._lanes = lanes
         self._probe = probe
         self._factory = runner_factory
+        self._templates: TemplateChecker | None = None  # made on the first check
         self._measured = measured
         self._clock = clock
         self._sleep = sleep
@@ -174,11 +176,31 @@ class Residency:
 
     async def _load(self, spec: ModelSpec, lane: Lane) -> Loaded:
         try:
+            await self._check_template(spec)
             async with self._load_lock:
                 plan = await self._make_room(spec)
                 return await self._start_runner(spec, lane, plan)
         finally:
             lane.load_task = None
+
+    async def _check_template(self, spec: ModelSpec) -> None:
+        """Render the GGUF's chat template in a bounded child process first (once per file
+        version): a template that loops, recurses or grows without end is a 422, and no
+        runner starts (models/template_check.py)."""
+        s = self.settings
+        if not s.chat_template_check or spec.gguf is None or not spec.gguf.has_chat_template:
+            return
+        if self._templates is None:
+            self._templates = TemplateChecker(
+                s.chat_template_check_seconds, s.chat_template_check_memory
+            )
+        try:
+            await asyncio.to_thread(self._templates.check, spec.path, spec.id)
+        except TemplateUnsafe as exc:
+            self.counters["load_failures"] += 1
+            log.error("load of %s refused: %s", spec.id, exc)
+            self.events.add("load_failed", spec.id, f"load of {spec.id} refused: {exc}")
+            raise
 
     async def _make_room(self, spec: ModelSpec) -> Plan:
         """Evict or wait until ``spec`` fits; raise InsufficientMemory when it never will."""
