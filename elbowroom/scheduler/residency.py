@@ -78,6 +78,7 @@ class Residency:
         self._probe = probe
         self._factory = runner_factory
         self._templates: TemplateChecker | None = None  # made on the first check
+        self._stopped_loads: dict[str, str] = {}  # model id -> why its load was stopped
         self._measured = measured
         self._clock = clock
         self._sleep = sleep
@@ -293,17 +294,28 @@ class Residency:
         except BaseException as exc:
             self.forget(rec)
             self.counters["load_failures"] += 1
+            stopped = self._stopped_loads.pop(spec.id, None)
             # A load that hung until load_timeout (a chat template that loops while the
             # model loads) backs off like a crash: not a new runner for every request.
-            if isinstance(exc, RunnerCrashed | EngineError | Unprocessable) or (
-                isinstance(exc, Unavailable) and exc.code == "load_timeout"
+            # A load the guard stopped does not: the model is not at fault.
+            if stopped is None and (
+                isinstance(exc, RunnerCrashed | EngineError | Unprocessable)
+                or (isinstance(exc, Unavailable) and exc.code == "load_timeout")
             ):
                 self._lanes.note_crash(lane, str(exc))
-            log.error("load of %s failed: %s", spec.id, exc)
-            self.events.add("load_failed", spec.id, f"load of {spec.id} failed: {exc}")
+            log.error("load of %s failed: %s", spec.id, stopped or exc)
+            self.events.add("load_failed", spec.id, f"load of {spec.id} failed: {stopped or exc}")
             if isinstance(exc, asyncio.CancelledError):
                 with contextlib.suppress(Exception):
                     await runner.stop(self.settings.stop_grace)
+            elif stopped is not None:
+                self.counters["refusals_503"] += 1
+                raise MemoryPressure(
+                    f"the load of {spec.id!r} was stopped: {stopped}; retry when memory "
+                    "is free again",
+                    retry_after=10.0,
+                    code="load_stopped",
+                ) from exc
             raise
         now = self._clock()
         rec.ready = info
@@ -338,6 +350,20 @@ class Residency:
             format_size(info.measured.file_backed),
             plan.n_ctx or "-",
         )
+        return rec
+
+    async def stop_load(self, model_id: str, cause: str) -> Loaded | None:
+        """Kill the runner of ``model_id``'s load in progress (the pressure guard at hard:
+        a loading runner that grows past every budget). The requests waiting on the load
+        get a 503 with Retry-After naming ``cause``; it does not count toward the crash
+        backoff. Returns the record whose load was stopped, None when none was loading."""
+        rec = self.loaded.get(model_id)
+        if rec is None or rec.phase is not Phase.LOADING:
+            return None
+        self._stopped_loads[model_id] = cause
+        log.warning("stopping the load of %s (pid %s): %s", model_id, rec.runner.pid, cause)
+        # No grace: a runner that is loading reads no stop message (SIGTERM, then SIGKILL).
+        await rec.runner.stop(0.0)
         return rec
 
     def _refusal(self, refusal: policy.Refuse) -> InsufficientMemory:
