@@ -2,8 +2,9 @@
 
 The scheduler stays the single owner of its state: the adapter only reads its picture
 (``state()``, ``inflight()``) and asks it to act (``unload``, ``pause_loads``, a runner's
-``set_pressure``). It remembers the level each runner object was last told, so a runner
-that restarts (a new object) starts from normal and is told the current level again.
+``set_pressure``, ``residency.stop_load`` for a load in progress). It remembers the
+level each runner object was last told, so a runner that restarts (a new object) starts
+from normal and is told the current level again.
 """
 
 from __future__ import annotations
