@@ -36,7 +36,7 @@ from elbowroom.server.metrics import record_model, record_tokens
 from elbowroom.server.model_calls import run_once
 from elbowroom.server.ollama_reply import NdjsonStream, Reply, Timing, stream_reply
 from elbowroom.server.schemas import ChatCompletionRequest, CompletionRequest
-from elbowroom.server.sse import gone_response, open_generation
+from elbowroom.server.sse import ClientGone, gone_response, open_generation, unless_client_leaves
 from elbowroom.server.text_calls import engine_request, whole_answer
 
 log = logging.getLogger("elbowroom.server")
@@ -338,7 +338,12 @@ async def embed(request: Request, body: shapes.EmbedBody) -> JSONResponse:
             pass
         return JSONResponse({"model": body.model, "embeddings": []})
     payload = check_inputs(body.input, services.settings.max_embedding_inputs)
-    result = await run_once(services.scheduler, spec.id, keep_alive, "embed", payload)
+    try:  # a client that leaves stops the batch (the engine checks between batches)
+        result = await unless_client_leaves(
+            request, run_once(services.scheduler, spec.id, keep_alive, "embed", payload)
+        )
+    except ClientGone:
+        return gone_response()  # type: ignore[return-value]
     vectors: list[list[float]] = result["embeddings"]
     if body.dimensions is not None and vectors and body.dimensions != len(vectors[0]):
         raise BadRequest(

@@ -101,3 +101,18 @@ def test_mean_pool_ignores_padding() -> None:
 def test_missing_tokenizer_is_a_load_error() -> None:
     with pytest.raises(EngineError, match=r"tokenizer\.json"):
         OnnxEmbedEngine().load(replace(bundled_spec("minilm-l6-v2"), options={}), EngineOptions())
+
+
+def test_a_cancelled_batch_stops_between_batches(engine: OnnxEmbedEngine) -> None:
+    """The client left (the worker's cancel flag): the next batch does not run."""
+    inputs = tuple(f"sentence number {i} " * 60 for i in range(64))  # ~256 tokens each
+    checks: list[int] = []
+
+    def cancelled() -> bool:
+        checks.append(1)
+        return len(checks) > 1  # the client leaves during the first batch
+
+    with pytest.raises(EngineError, match="cancelled"):
+        engine.run("embed", EmbedRequest(inputs=inputs), lambda _: None, cancelled)
+    assert len(checks) == 2  # one batch ran of the several the inputs need
+    assert len(plan_batches([256] * 64)) > 2
