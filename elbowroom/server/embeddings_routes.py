@@ -19,9 +19,10 @@ from elbowroom.models.spec import ModelKind
 from elbowroom.server.deps import get_services, parse_keep_alive
 from elbowroom.server.metrics import record_model
 from elbowroom.server.model_calls import EMBEDDING_ALIASES, resolve_model, run_once
+from elbowroom.server.parsed_json import ParsedJSONRoute
 from elbowroom.server.sse import ClientGone, gone_response, unless_client_leaves
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", route_class=ParsedJSONRoute)
 
 
 class EmbeddingsRequest(BaseModel):

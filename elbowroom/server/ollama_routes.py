@@ -18,7 +18,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from fastapi.routing import APIRoute
 from pydantic import ValidationError
 
 from elbowroom import __version__
@@ -35,6 +34,7 @@ from elbowroom.server.images import check_chat_images
 from elbowroom.server.metrics import record_model, record_tokens
 from elbowroom.server.model_calls import run_once
 from elbowroom.server.ollama_reply import NdjsonStream, Reply, Timing, stream_reply
+from elbowroom.server.parsed_json import ParsedJSONRoute
 from elbowroom.server.schemas import ChatCompletionRequest, CompletionRequest
 from elbowroom.server.sse import ClientGone, gone_response, open_generation, unless_client_leaves
 from elbowroom.server.text_calls import engine_request, whole_answer
@@ -51,7 +51,7 @@ def ollama_error(err: ElbowroomError) -> JSONResponse:
     return JSONResponse(shapes.error_body(err), status_code=err.status, headers=err.headers())
 
 
-class OllamaRoute(APIRoute):
+class OllamaRoute(ParsedJSONRoute):
     """Turns every error of an Ollama route into Ollama's shape (the app's handlers would
     answer in OpenAI's)."""
 

@@ -244,3 +244,36 @@ def test_a_client_that_leaves_stops_the_batch(path: str, body: bytes) -> None:
 
     anyio.run(run)
     assert scheduler.closed == ["embed"]
+
+
+class _NoSecondParse:
+    """Starlette's ``json`` while the test runs: the route must not parse the body again."""
+
+    @staticmethod
+    def loads(*args: Any, **kw: Any) -> Any:
+        raise AssertionError("the body was parsed a second time")
+
+
+@pytest.mark.parametrize(
+    ("path", "content_type"),
+    [
+        ("/v1/embeddings", "application/json"),
+        ("/api/embed", "application/json"),
+        ("/api/embed", "application/x-www-form-urlencoded"),  # Ollama: any type is JSON
+    ],
+)
+def test_the_body_gates_parse_is_the_routes(
+    parts: tuple[TestClient, Scheduler],
+    monkeypatch: pytest.MonkeyPatch,
+    path: str,
+    content_type: str,
+) -> None:
+    """JSON parsed once: FastAPI parsed the body again, on the event loop, after the gate."""
+    import starlette.requests
+
+    client, scheduler = parts
+    monkeypatch.setattr(starlette.requests, "json", _NoSecondParse)
+    body = b'{"model": "minilm-l6-v2", "input": ["a", "b"]}'
+    r = client.post(path, content=body, headers={"content-type": content_type})
+    assert r.status_code == 200, r.text
+    assert scheduler.calls[-1] == ("embed", EmbedRequest(inputs=("a", "b")))
