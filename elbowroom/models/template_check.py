@@ -18,7 +18,8 @@ difference between the two. An ordinary template error (``raise_exception``, an 
 name) is not a verdict: the engine has its own answer for those.
 
 The verdict is kept per file (path, size, mtime): a normal model pays the check once per
-server process (~0.1-0.2 s on SmolLM2: a Python start and one render).
+server process (a Python start and one render: 0.1-0.5 s for SmolLM2 on a busy 2-core
+machine, 0.13 of its load; benchmarks/results/template_check.md).
 """
 
 from __future__ import annotations
