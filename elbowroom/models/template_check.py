@@ -62,6 +62,7 @@ class TemplateChecker:
         self.memory = memory
         self._verdicts: dict[tuple[str, int, int], Verdict] = {}
         self._lock = threading.Lock()
+        self._file_locks: dict[tuple[str, int, int], threading.Lock] = {}
         self.runs = 0  # subprocesses started (tests: the verdict is cached)
 
     def check(self, path: Path, model_id: str) -> None:
@@ -72,7 +73,9 @@ class TemplateChecker:
         except OSError:
             return  # the load itself will say what is wrong with the file
         key = (str(path), st.st_size, st.st_mtime_ns)
-        with self._lock:
+        with self._lock:  # one check per file at a time; other files do not wait for it
+            file_lock = self._file_locks.setdefault(key, threading.Lock())
+        with file_lock:
             verdict = self._verdicts.get(key)
             if verdict is None:
                 verdict = self._run(path)
