@@ -107,6 +107,11 @@ class Settings:
     max_tokens_cap: int = 4096  # hard cap on generated tokens for every request
     # Each CPU runner's RLIMIT_DATA: 1.5 x what its load was admitted for, + 1 GiB
     runner_memory_ceiling: bool = True
+    # Before a GGUF loads, its chat template is rendered in a child process with these bounds
+    # (CPU seconds, bytes); a template past them is refused (422 chat_template_unsafe).
+    chat_template_check: bool = True
+    chat_template_check_seconds: float = 3.0
+    chat_template_check_memory: int = _size(default=256 * 1024**2)
     # Streamed LLM requests are read by the server straight from the engine's private
     # socket (server/direct.py) instead of token by token through the runner pipe.
     direct_streams: bool = True

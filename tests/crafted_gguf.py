@@ -84,3 +84,85 @@ def write_hostile_models(folder: Path) -> dict[str, str]:
     for name, (data, _) in files.items():
         (folder / name).write_bytes(data)
     return {name: reason for name, (_, reason) in files.items()}
+
+
+_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def with_chat_template(source: Path, target: Path, template: str) -> Path:
+    """A copy of the GGUF ``source`` at ``target`` whose ``tokenizer.chat_template`` is
+    ``template`` (the weights unchanged: the data section is re-aligned after the header)."""
+    data = source.read_bytes()
+    off = 24
+    n_tensors, n_kv = struct.unpack_from("<QQ", data, 8)
+
+    def take_string(at: int) -> tuple[bytes, int]:
+        (n,) = struct.unpack_from("<Q", data, at)
+        return data[at + 8 : at + 8 + n], at + 8 + n
+
+    def skip_value(vtype: int, at: int) -> int:
+        if vtype == STRING:
+            return take_string(at)[1]
+        if vtype != ARRAY:
+            return at + _SIZES[vtype]
+        itype, count = struct.unpack_from("<IQ", data, at)
+        at += 12
+        if itype == STRING:
+            for _ in range(count):
+                at = take_string(at)[1]
+            return at
+        return at + _SIZES[itype] * count
+
+    kvs: list[bytes] = []
+    alignment = 32
+    for _ in range(n_kv):
+        start = off
+        key, off = take_string(off)
+        (vtype,) = struct.unpack_from("<I", data, off)
+        end = skip_value(vtype, off + 4)
+        if key == b"general.alignment":
+            (alignment,) = struct.unpack_from("<I", data, off + 4)
+        if key != b"tokenizer.chat_template":
+            kvs.append(data[start:end])
+        off = end
+    kvs.append(text("tokenizer.chat_template", template))
+    tensors_start = off
+    for _ in range(n_tensors):
+        _, off = take_string(off)
+        (n_dims,) = struct.unpack_from("<I", data, off)
+        off += 4 + 8 * n_dims + 4 + 8
+    infos = data[tensors_start:off]
+    data_start = -(-off // alignment) * alignment
+    head = b"GGUF" + struct.pack("<IQQ", 3, n_tensors, len(kvs)) + b"".join(kvs) + infos
+    head += b"\0" * (-len(head) % alignment)
+    target.write_bytes(head + data[data_start:])
+    return target
+
+
+# Chat templates that hurt llama.cpp while it loads (issue 28): the loop took a runner to
+# 23.6 GB, the recursive macro crashed it (SIGSEGV) on every load.
+CRAFTED_TEMPLATES = {
+    "template-loop": ("{%- for i in range(1000000000) -%}{%- endfor -%}hi", "sandbox limit"),
+    "template-recursive": (
+        "{%- macro f(x) -%}{{ f(x) }}{%- endmacro -%}{{ f(1) }}",
+        "recurses without end",
+    ),
+    "template-nested": (
+        "{%- for i in range(100000) -%}{%- for j in range(100000) -%}{%- endfor -%}"
+        "{%- endfor -%}hi",
+        "s of CPU",
+    ),
+    "template-memory": (
+        "{%- set s = 'x' * 100000000 -%}{%- set t = s ~ s ~ s ~ s -%}{{ t|length }}",
+        "MiB to render",
+    ),
+}
+
+
+def write_crafted_templates(source: Path, folder: Path) -> dict[str, str]:
+    """Copies of the GGUF ``source`` with each crafted chat template; returns model id ->
+    what the refusal says."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, (template, _) in CRAFTED_TEMPLATES.items():
+        with_chat_template(source, folder / f"{name}.gguf", template)
+    return {name: why for name, (_, why) in CRAFTED_TEMPLATES.items()}

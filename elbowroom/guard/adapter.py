@@ -2,22 +2,26 @@
 
 The scheduler stays the single owner of its state: the adapter only reads its picture
 (``state()``, ``inflight()``) and asks it to act (``unload``, ``pause_loads``, a runner's
-``set_pressure``). It remembers the level each runner object was last told, so a runner
-that restarts (a new object) starts from normal and is told the current level again.
+``set_pressure``, ``residency.stop_load`` for a load in progress). It remembers the
+level each runner object was last told, so a runner that restarts (a new object) starts
+from normal and is told the current level again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import weakref
+from collections.abc import Mapping
 
 from elbowroom.guard.ladder import InFlight, LoadedModel
 from elbowroom.memory.types import Pressure
 from elbowroom.models.spec import ModelKind
 from elbowroom.runtime.protocol import Runner
 from elbowroom.scheduler.loop import Scheduler
+from elbowroom.scheduler.records import Phase
 
 # An evicted model's aborted generations end within 16 tokens; a non-LLM request runs to
 # its end. Past this the guard stops counting its bytes as being freed.
@@ -36,8 +40,13 @@ class SchedulerTarget:
         out = []
         for m in self._scheduler.state().models:
             runner = self._scheduler.runner(m.id)
-            if m.loading or runner is None:
-                continue  # loading or stopping: neither unloadable nor told levels
+            if m.loading:
+                loading = self._loading(m.id, m.pools)
+                if loading is not None:
+                    out.append(loading)
+                continue  # stopping: neither unloadable nor told levels
+            if runner is None:
+                continue
             out.append(
                 LoadedModel(
                     id=m.id,
@@ -51,6 +60,27 @@ class SchedulerTarget:
                 )
             )
         return out
+
+    def _loading(self, model_id: str, pools: Mapping[str, int]) -> LoadedModel | None:
+        """A load in progress, as the guard sees it: its runner's measured bytes (a crafted
+        model can grow far past its prediction while it loads), idle and *pinned*, so the
+        ladder stops it only at hard and only when no idle model is left to unload (the
+        last resort, before the kernel's OOM killer). Never told levels (``llm`` False):
+        a loading runner does not read them."""
+        rec = self._scheduler.residency.loaded.get(model_id)
+        if rec is None or rec.phase is not Phase.LOADING:
+            return None
+        try:
+            measured = rec.runner.measure().resident
+        except Exception:  # the runner's /proc entry vanished: it is gone already
+            return None
+        return LoadedModel(
+            id=model_id,
+            bytes=measured,
+            last_used=-math.inf,  # the first pinned model to go
+            pinned=True,
+            pools=tuple(sorted((p, b) for p, b in pools.items() if b > 0)),
+        )
 
     def inflight(self) -> list[InFlight]:
         """Requests running now; ``bytes`` is left 0 for the guard to fill from models()
@@ -94,6 +124,17 @@ class SchedulerTarget:
     async def unload(self, model: str, *, timeout: float = EVICT_TIMEOUT) -> None:
         """Returns once the model is gone: a busy model (evicted at hard) stops when its
         aborted requests have ended, and until then its bytes are still being freed."""
+        stopped = await self._scheduler.residency.stop_load(
+            model, "memory pressure reached the hard threshold while it loaded"
+        )
+        if stopped is not None:  # a load in progress: its runner is killed
+            deadline = time.monotonic() + timeout
+            while (
+                self._scheduler.residency.loaded.get(model) is stopped
+                and time.monotonic() < deadline
+            ):
+                await asyncio.sleep(0.05)
+            return
         runner = self._scheduler.runner(model)
         result = await self._scheduler.unload(model, reason="pressure")
         if result.get("status") != "unloading_when_idle" or runner is None:

@@ -468,3 +468,46 @@ def tensor_bytes_by_layer(
     if not has_output:
         output_bytes += embd
     return tuple(blocks), input_bytes, output_bytes
+
+
+MAX_TEMPLATE = 1 << 24  # bytes of one chat template read for the template check
+
+
+def read_chat_templates(path: Path) -> dict[str, str]:
+    """Every ``tokenizer.chat_template*`` string of a GGUF file, whole (the header walk keeps
+    only short strings). The load-time template check renders them (models.template_check);
+    a template longer than ``MAX_TEMPLATE`` bytes is an InvalidModel."""
+    with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        try:
+            return _chat_templates(buf)
+        except _Bad as exc:
+            raise InvalidModel(f"{path.name}: {exc}") from None
+
+
+def _chat_templates(buf: mmap.mmap) -> dict[str, str]:
+    if len(buf) < 24 or buf[:4] != _GGUF_MAGIC:
+        raise _Bad("not a GGUF file (no GGUF magic number)")
+    (version,) = struct.unpack_from("<I", buf, 4)
+    order = "<" if version in (2, 3) else ">"
+    cur = _Cursor(buf, order)
+    cur.off = 16
+    n_kv = int(cur.take("Q", 8))
+    if n_kv > MAX_KV:
+        raise _Bad(f"{n_kv} metadata entries is implausible")
+    scratch = Header()
+    templates: dict[str, str] = {}
+    for _ in range(n_kv):
+        key = cur.string(MAX_KEY)
+        if not isinstance(key, str):
+            raise _Bad("unreadable metadata key")
+        vtype = int(cur.take("I", 4))
+        if vtype == _STRING and key.startswith("tokenizer.chat_template"):
+            n = int(cur.take("Q", 8))
+            if n > MAX_TEMPLATE:
+                raise _Bad(f"{key} is {n} bytes (at most {MAX_TEMPLATE})")
+            start = cur.off
+            cur.skip(n)
+            templates[key] = bytes(buf[start : start + n]).decode("utf-8", "replace")
+        else:
+            _value(cur, vtype, key, scratch)
+    return templates

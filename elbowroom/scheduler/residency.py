@@ -38,6 +38,7 @@ from elbowroom.errors import (
 from elbowroom.memory.monitor import Monitor, Sample
 from elbowroom.memory.types import Probe, ProcessMemory, Snapshot
 from elbowroom.models.spec import Holding, ModelSpec
+from elbowroom.models.template_check import TemplateChecker, TemplateUnsafe
 from elbowroom.runtime.protocol import Runner, RunnerFactory
 from elbowroom.runtime.supervisor import OOM_KILLED
 from elbowroom.scheduler import offload_plan, policy, vision_gate
@@ -77,6 +78,8 @@ class Residency:
         self._lanes = lanes
         self._probe = probe
         self._factory = runner_factory
+        self._templates: TemplateChecker | None = None  # made on the first check
+        self._stopped_loads: dict[str, str] = {}  # model id -> why its load was stopped
         self._measured = measured
         self._clock = clock
         self._sleep = sleep
@@ -175,11 +178,31 @@ class Residency:
 
     async def _load(self, spec: ModelSpec, lane: Lane) -> Loaded:
         try:
+            await self._check_template(spec)
             async with self._load_lock:
                 plan = await self._make_room(spec)
                 return await self._start_runner(spec, lane, plan)
         finally:
             lane.load_task = None
+
+    async def _check_template(self, spec: ModelSpec) -> None:
+        """Render the GGUF's chat template in a bounded child process first (once per file
+        version): a template that loops, recurses or grows without end is a 422, and no
+        runner starts (models/template_check.py)."""
+        s = self.settings
+        if not s.chat_template_check or spec.gguf is None or not spec.gguf.has_chat_template:
+            return
+        if self._templates is None:
+            self._templates = TemplateChecker(
+                s.chat_template_check_seconds, s.chat_template_check_memory
+            )
+        try:
+            await asyncio.to_thread(self._templates.check, spec.path, spec.id)
+        except TemplateUnsafe as exc:
+            self.counters["load_failures"] += 1
+            log.error("load of %s refused: %s", spec.id, exc)
+            self.events.add("load_failed", spec.id, f"load of {spec.id} refused: {exc}")
+            raise
 
     async def _make_room(self, spec: ModelSpec) -> Plan:
         """Evict or wait until ``spec`` fits; raise InsufficientMemory when it never will."""
@@ -272,17 +295,28 @@ class Residency:
         except BaseException as exc:
             self.forget(rec)
             self.counters["load_failures"] += 1
+            stopped = self._stopped_loads.pop(spec.id, None)
             # A load that hung until load_timeout (a chat template that loops while the
             # model loads) backs off like a crash: not a new runner for every request.
-            if isinstance(exc, RunnerCrashed | EngineError | Unprocessable) or (
-                isinstance(exc, Unavailable) and exc.code == "load_timeout"
+            # A load the guard stopped does not: the model is not at fault.
+            if stopped is None and (
+                isinstance(exc, RunnerCrashed | EngineError | Unprocessable)
+                or (isinstance(exc, Unavailable) and exc.code == "load_timeout")
             ):
                 self._lanes.note_crash(lane, str(exc))
-            log.error("load of %s failed: %s", spec.id, exc)
-            self.events.add("load_failed", spec.id, f"load of {spec.id} failed: {exc}")
+            log.error("load of %s failed: %s", spec.id, stopped or exc)
+            self.events.add("load_failed", spec.id, f"load of {spec.id} failed: {stopped or exc}")
             if isinstance(exc, asyncio.CancelledError):
                 with contextlib.suppress(Exception):
                     await runner.stop(self.settings.stop_grace)
+            elif stopped is not None:
+                self.counters["refusals_503"] += 1
+                raise MemoryPressure(
+                    f"the load of {spec.id!r} was stopped: {stopped}; retry when memory "
+                    "is free again",
+                    retry_after=10.0,
+                    code="load_stopped",
+                ) from exc
             raise
         now = self._clock()
         rec.ready = info
@@ -317,6 +351,20 @@ class Residency:
             format_size(info.measured.file_backed),
             plan.n_ctx or "-",
         )
+        return rec
+
+    async def stop_load(self, model_id: str, cause: str) -> Loaded | None:
+        """Kill the runner of ``model_id``'s load in progress (the pressure guard at hard:
+        a loading runner that grows past every budget). The requests waiting on the load
+        get a 503 with Retry-After naming ``cause``; it does not count toward the crash
+        backoff. Returns the record whose load was stopped, None when none was loading."""
+        rec = self.loaded.get(model_id)
+        if rec is None or rec.phase is not Phase.LOADING:
+            return None
+        self._stopped_loads[model_id] = cause
+        log.warning("stopping the load of %s (pid %s): %s", model_id, rec.runner.pid, cause)
+        # No grace: a runner that is loading reads no stop message (SIGTERM, then SIGKILL).
+        await rec.runner.stop(0.0)
         return rec
 
     def _refusal(self, refusal: policy.Refuse) -> InsufficientMemory:

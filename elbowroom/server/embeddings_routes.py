@@ -21,9 +21,11 @@ from elbowroom.models.spec import ModelKind
 from elbowroom.server.deps import get_services, parse_keep_alive
 from elbowroom.server.metrics import record_model
 from elbowroom.server.model_calls import EMBEDDING_ALIASES, resolve_model, run_once
+from elbowroom.server.parsed_json import ParsedJSONRoute
+from elbowroom.server.sse import ClientGone, gone_response, unless_client_leaves
 from elbowroom.server.token_inputs import cl100k_vocab, decode_cl100k, token_arrays
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", route_class=ParsedJSONRoute)
 
 
 class EmbeddingsRequest(BaseModel):
@@ -103,7 +105,13 @@ async def embeddings(request: Request, body: EmbeddingsRequest) -> JSONResponse:
         payload = await decode_for_alias(payload)
     record_model(request, spec)
     keep_alive = parse_keep_alive(body.keep_alive)
-    result = await run_once(services.scheduler, spec.id, keep_alive, "embed", payload)
+    try:
+        # A client that leaves stops the batch: the engine checks between its batches.
+        result = await unless_client_leaves(
+            request, run_once(services.scheduler, spec.id, keep_alive, "embed", payload)
+        )
+    except ClientGone:
+        return gone_response()  # type: ignore[return-value]
     vectors: list[list[float]] = result["embeddings"]
     if body.dimensions is not None and vectors and body.dimensions != len(vectors[0]):
         raise BadRequest(

@@ -50,6 +50,7 @@ from elbowroom.server.jsonscan import (
     min_tokens,
 )
 from elbowroom.server.ollama_shapes import is_ollama_path
+from elbowroom.server.parsed_json import PARSED_JSON
 from elbowroom.units import format_size
 
 log = logging.getLogger("elbowroom.server")
@@ -141,6 +142,7 @@ class BodyGate:
                 _check_media_type(header(scope, b"content-type"))
             checked = await self._inspect(body, path)
             self._check_context(scope, path, checked)
+            scope[PARSED_JSON] = checked.value  # the route's JSON: parsed once (parsed_json.py)
         except ElbowroomError as err:
             self.inflight.give(held)
             await send_error(scope, send, err)

@@ -18,7 +18,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from fastapi.routing import APIRoute
 from pydantic import ValidationError
 
 from elbowroom import __version__
@@ -35,8 +34,9 @@ from elbowroom.server.images import check_chat_images
 from elbowroom.server.metrics import record_model, record_tokens
 from elbowroom.server.model_calls import run_once
 from elbowroom.server.ollama_reply import NdjsonStream, Reply, Timing, stream_reply
+from elbowroom.server.parsed_json import ParsedJSONRoute
 from elbowroom.server.schemas import ChatCompletionRequest, CompletionRequest
-from elbowroom.server.sse import gone_response, open_generation
+from elbowroom.server.sse import ClientGone, gone_response, open_generation, unless_client_leaves
 from elbowroom.server.text_calls import engine_request, whole_answer
 
 log = logging.getLogger("elbowroom.server")
@@ -51,7 +51,7 @@ def ollama_error(err: ElbowroomError) -> JSONResponse:
     return JSONResponse(shapes.error_body(err), status_code=err.status, headers=err.headers())
 
 
-class OllamaRoute(APIRoute):
+class OllamaRoute(ParsedJSONRoute):
     """Turns every error of an Ollama route into Ollama's shape (the app's handlers would
     answer in OpenAI's)."""
 
@@ -339,7 +339,12 @@ async def embed(request: Request, body: shapes.EmbedBody) -> JSONResponse:
             pass
         return JSONResponse({"model": body.model, "embeddings": []})
     payload = check_inputs(body.input, services.settings.max_embedding_inputs)
-    result = await run_once(services.scheduler, spec.id, keep_alive, "embed", payload)
+    try:  # a client that leaves stops the batch (the engine checks between batches)
+        result = await unless_client_leaves(
+            request, run_once(services.scheduler, spec.id, keep_alive, "embed", payload)
+        )
+    except ClientGone:
+        return gone_response()  # type: ignore[return-value]
     vectors: list[list[float]] = result["embeddings"]
     if body.dimensions is not None and vectors and body.dimensions != len(vectors[0]):
         raise BadRequest(

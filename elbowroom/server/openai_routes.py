@@ -20,6 +20,7 @@ from elbowroom.server.errors import public_error
 from elbowroom.server.images import check_chat_images
 from elbowroom.server.metrics import record_model, record_tokens
 from elbowroom.server.model_calls import alias_target
+from elbowroom.server.parsed_json import ParsedJSONRoute
 from elbowroom.server.schemas import ChatCompletionRequest, CompletionRequest
 from elbowroom.server.shapes import Envelope, Logprobs
 from elbowroom.server.sse import (
@@ -36,7 +37,7 @@ from elbowroom.server.text_calls import engine_request, whole_answer
 
 log = logging.getLogger("elbowroom.server")
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", route_class=ParsedJSONRoute)
 
 # Above this a max_tokens is a client bug, not a wish: 400 instead of clamping.
 ABSURD_MAX_TOKENS = 1 << 20

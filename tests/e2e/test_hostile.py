@@ -23,7 +23,8 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from crafted_gguf import write_hostile_models
+from bundled_models import bundled_spec
+from crafted_gguf import write_crafted_templates, write_hostile_models
 from serverproc import REPO, ServerFactory, ServerProcess, runner_pid, wait_for
 
 MODEL = "smollm2-135m"
@@ -35,7 +36,15 @@ HI = [{"role": "user", "content": "x"}]
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
     folder = tmp_path_factory.mktemp("hostile-models")
+    write_crafted_templates(bundled_spec(MODEL).path, folder / "templates")
     return folder, write_hostile_models(folder)
+
+
+@pytest.fixture(scope="module")
+def templates(models: tuple[Path, dict[str, str]]) -> dict[str, str]:
+    from crafted_gguf import CRAFTED_TEMPLATES
+
+    return {name: why for name, (_, why) in CRAFTED_TEMPLATES.items()}
 
 
 @pytest.fixture(scope="module")
@@ -587,6 +596,38 @@ def test_crafted_ggufs_are_listed_as_problems_and_serve_starts(
     )
     assert ls.returncode == 0, ls.stderr
     assert {Path(p["path"]).name for p in json.loads(ls.stdout)["problems"]} == set(expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["template-loop", "template-recursive", "template-nested"])
+def test_a_crafted_chat_template_is_a_fast_422_and_others_keep_serving(
+    server: ServerProcess, templates: dict[str, str], name: str
+) -> None:
+    """Issue 28: the loop spun a loading runner until load_timeout (180 s) and up to 23.6 GB;
+    the recursive macro crashed it on every load. The template check renders it in a
+    bounded child first: a 422 in seconds, no runner, and the verdict is remembered."""
+    for attempt in range(2):
+        started = time.monotonic()
+        r = httpx.post(
+            server.url + "/v1/chat/completions", json={**CHAT, "model": name}, timeout=170
+        )
+        took = time.monotonic() - started
+        assert r.status_code == 422, r.text
+        error = r.json()["error"]
+        assert error["code"] == "chat_template_unsafe"
+        assert templates[name] in error["message"] and "chat_template_check" in error["message"]
+        # Far inside load_timeout (180 s), even on a busy machine: the CPU bound is 3 s.
+        assert took < 90, f"attempt {attempt}: {took:.1f} s"
+        assert all(m["id"] != name for m in server.ps())
+    ollama = httpx.post(
+        server.url + "/api/chat",
+        json={"model": name, "messages": HI, "stream": False},
+        timeout=170,
+    )
+    assert ollama.status_code == 422 and "the chat template in" in ollama.json()["error"]
+    assert (
+        httpx.post(server.url + "/v1/chat/completions", json=CHAT, timeout=170).status_code == 200
+    )
 
 
 @pytest.mark.slow

@@ -115,3 +115,18 @@ def test_token_ids_in_the_models_own_tokenizer_embed_like_their_text(
     assert out["embeddings"][0] == pytest.approx(text, abs=1e-5)
     with pytest.raises(BadRequest, match="tokenizer has"):
         engine.run("embed", EmbedRequest(inputs=((10**7,),)), lambda _: None, lambda: False)
+
+
+def test_a_cancelled_batch_stops_between_batches(engine: OnnxEmbedEngine) -> None:
+    """The client left (the worker's cancel flag): the next batch does not run."""
+    inputs = tuple(f"sentence number {i} " * 60 for i in range(64))  # ~256 tokens each
+    checks: list[int] = []
+
+    def cancelled() -> bool:
+        checks.append(1)
+        return len(checks) > 1  # the client leaves during the first batch
+
+    with pytest.raises(EngineError, match="cancelled"):
+        engine.run("embed", EmbedRequest(inputs=inputs), lambda _: None, cancelled)
+    assert len(checks) == 2  # one batch ran of the several the inputs need
+    assert len(plan_batches([256] * 64)) > 2

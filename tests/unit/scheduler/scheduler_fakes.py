@@ -125,6 +125,8 @@ class FakeRunner:
         self.dead = asyncio.Event()
         self.in_request = 0
         self.stops = 0
+        self.stopped = asyncio.Event()  # stop() was called (a load waiting ends)
+        self.loading_bytes = 0  # what measure() says while it loads
 
     @property
     def pid(self) -> int | None:
@@ -144,7 +146,13 @@ class FakeRunner:
         m.pending_at_start.append(m.pending())
         try:
             if m.start_gate is not None:
-                await m.start_gate.wait()
+                waits = [asyncio.ensure_future(e.wait()) for e in (m.start_gate, self.stopped)]
+                _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                for w in pending:
+                    w.cancel()
+            if self.stopped.is_set():  # stopped while it loaded, as the supervisor says
+                self._state = RunnerState.CRASHED
+                raise RunnerCrashed(f"the runner of {self.spec.id} was stopped while it loaded")
             failure = m.fail_starts.get(self.spec.id)
             if failure is not None:
                 self._state = RunnerState.CRASHED
@@ -179,6 +187,7 @@ class FakeRunner:
 
     async def stop(self, grace: float) -> None:
         self.stops += 1
+        self.stopped.set()
         if self._pid is not None and self._state is RunnerState.READY:
             self.machine.release(self._pid)
         self._state = RunnerState.STOPPED
@@ -186,6 +195,8 @@ class FakeRunner:
     def measure(self) -> ProcessMemory:
         if self._state is RunnerState.READY:
             return ProcessMemory(self.nbytes, 0)
+        if self._state is RunnerState.STARTING and self.loading_bytes:
+            return ProcessMemory(self.loading_bytes, 0)
         return ZERO_PROCESS_MEMORY
 
     async def stats(self) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, ClassVar
 
+import anyio
 import pytest
 from starlette.testclient import TestClient
 
@@ -203,3 +204,107 @@ def test_token_ids_for_a_model_by_name_are_the_models_own(
     r = client.post("/v1/embeddings", json={"model": "minilm-l6-v2", "input": [[7592, 2088]]})
     assert r.status_code == 200, r.text
     assert scheduler.calls[-1] == ("embed", EmbedRequest(inputs=((7592, 2088),)))
+
+
+class _Hanging(Scheduler):
+    """An embedding batch that runs until its request is closed (what cancels it in the
+    worker, between batches)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed: list[str] = []
+
+    async def request(self, op: str, payload: EmbedRequest) -> AsyncIterator[dict[str, Any]]:
+        self.calls.append((op, payload))
+        try:
+            await anyio.sleep(3600)
+            yield {"type": "done", "embeddings": [], "prompt_tokens": 0}
+        finally:
+            self.closed.append(op)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/embeddings", b'{"model": "minilm-l6-v2", "input": ["a", "b"]}'),
+        ("/api/embed", b'{"model": "minilm-l6-v2", "input": ["a", "b"]}'),
+    ],
+)
+def test_a_client_that_leaves_stops_the_batch(path: str, body: bytes) -> None:
+    """Before: the batch ran to its end for nobody (the route never noticed the client)."""
+    scheduler = _Hanging()
+    settings = Settings(max_embedding_inputs=2)
+    app = create_app(
+        settings, services=Services(settings=settings, catalog=Catalog(), scheduler=scheduler)
+    )
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        if pending:
+            return pending.pop()
+        while not scheduler.calls:
+            await anyio.sleep(0.01)
+        return {"type": "http.disconnect"}  # the client leaves while the batch runs
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"host", b"localhost"),
+        ],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+
+    async def run() -> None:
+        with anyio.fail_after(30):  # only the disconnect can end this call
+            await app(scope, receive, send)
+
+    anyio.run(run)
+    assert scheduler.closed == ["embed"]
+
+
+class _NoSecondParse:
+    """Starlette's ``json`` while the test runs: the route must not parse the body again."""
+
+    @staticmethod
+    def loads(*args: Any, **kw: Any) -> Any:
+        raise AssertionError("the body was parsed a second time")
+
+
+@pytest.mark.parametrize(
+    ("path", "content_type"),
+    [
+        ("/v1/embeddings", "application/json"),
+        ("/api/embed", "application/json"),
+        ("/api/embed", "application/x-www-form-urlencoded"),  # Ollama: any type is JSON
+    ],
+)
+def test_the_body_gates_parse_is_the_routes(
+    parts: tuple[TestClient, Scheduler],
+    monkeypatch: pytest.MonkeyPatch,
+    path: str,
+    content_type: str,
+) -> None:
+    """JSON parsed once: FastAPI parsed the body again, on the event loop, after the gate."""
+    import starlette.requests
+
+    client, scheduler = parts
+    monkeypatch.setattr(starlette.requests, "json", _NoSecondParse)
+    body = b'{"model": "minilm-l6-v2", "input": ["a", "b"]}'
+    r = client.post(path, content=body, headers={"content-type": content_type})
+    assert r.status_code == 200, r.text
+    assert scheduler.calls[-1] == ("embed", EmbedRequest(inputs=("a", "b")))
