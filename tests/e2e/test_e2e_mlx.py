@@ -271,7 +271,7 @@ def test_hard_pressure_aborts_an_mlx_stream_within_16_tokens(
         wait_for(lambda: server.loaded() == {SMOL_MLX}, timeout=300, what="the MLX model")
         client = server.openai()
         stream = client.completions.create(
-            model=SMOL_MLX, prompt=COUNT, max_tokens=400, temperature=0, stream=True
+            model=SMOL_MLX, prompt=COUNT, max_tokens=120, temperature=0, stream=True
         )
         pieces: list[str] = []
         squeezed_at = -1
