@@ -8,6 +8,7 @@ an MLX model and a GGUF model compete for the same bytes.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -237,3 +238,75 @@ def test_an_mlx_model_that_cannot_fit_is_507_with_numbers(
     for key in ("needed", "available", "limit", "suggestions"):
         assert key in err, err
     assert server.ps() == []
+
+
+COUNT = "Write the numbers from 1 to 900, separated by commas: 1, 2, 3,"
+
+
+def test_hard_pressure_aborts_an_mlx_stream_within_16_tokens(
+    tmp_path_factory: pytest.TempPathFactory, models: Path
+) -> None:
+    """The guard of test_pressure.py on its fake machine (the probe is the edge; our bytes
+    are measured for real): memory turns hard mid-stream, the runner stops before its next
+    token, the openai client gets the documented mid-stream ``memory_pressure`` error, and
+    the model serves again once pressure has passed. SmolLM2 (real text, ~3 tok/s on this
+    CPU) so the guard's 0.1 s sampling is a small part of 16 tokens."""
+    from test_pressure import FakeMachine, InProcessServer
+
+    machine = FakeMachine()
+    home = tmp_path_factory.mktemp("mlx-pressure")
+    settings = Settings(
+        data_dir=home / "data",
+        kv_cache_dir=home / "kv",
+        models_dir=models,
+        ctx=1024,
+        keep_alive=3600,
+        resident_idle=3600,
+        monitor_interval=0.1,
+        safety_margin=machine.margin,
+        preload=(SMOL_MLX,),
+    )
+    server = InProcessServer(settings, machine).start()
+    try:
+        wait_for(lambda: server.loaded() == {SMOL_MLX}, timeout=300, what="the MLX model")
+        client = server.openai()
+        stream = client.completions.create(
+            model=SMOL_MLX, prompt=COUNT, max_tokens=120, temperature=0, stream=True
+        )
+        pieces: list[str] = []
+        squeezed_at = -1
+        with pytest.raises(openai.APIError) as info:
+            for chunk in stream:
+                pieces.append(chunk.choices[0].text)
+                if len(pieces) == 3:
+                    squeezed_at = len(pieces)
+                    machine.squeeze(1.2)  # our usage 120 % of the limit: hard
+        err = info.value
+        assert isinstance(err.body, dict) and err.body.get("type") == "memory_pressure", err.body
+        found = re.search(r"after (\d+) tokens", str(err.body.get("message")))
+        assert found is not None, err.body
+        # Tokens generated in all minus the pieces the client had read when memory turned
+        # hard (pieces trail tokens, so this over-counts, never under).
+        assert 0 <= int(found.group(1)) - squeezed_at <= 16, (found.group(0), squeezed_at)
+        abort = server.events("abort")[0]
+        assert abort["model"] == SMOL_MLX and "newest generation" in abort["message"]
+
+        refused = httpx.post(
+            server.url + "/v1/completions",
+            json={"model": SMOL_MLX, "prompt": "Hi", "max_tokens": 2},
+            timeout=60,
+        )
+        assert refused.status_code == 503, refused.text  # while hard: no new work
+        assert refused.json()["error"]["type"] == "memory_pressure"
+
+        machine.others = 0
+        wait_for(lambda: server.guard()["admission_open"], timeout=60, what="admission")
+        out = client.chat.completions.create(
+            model=SMOL_MLX,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=8,
+            temperature=0,
+        )
+        assert "Paris" in (out.choices[0].message.content or ""), out
+    finally:
+        server.stop()
