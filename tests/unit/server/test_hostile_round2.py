@@ -162,7 +162,7 @@ def test_api_ps_hides_runner_pids_from_inference_keys(
     admin = {"Authorization": "Bearer admin"}
     assert h.client.post(f"/api/models/{MODEL}/load", headers=admin).status_code == 200
     seen = h.client.get("/api/ps", headers={"Authorization": "Bearer inference"}).json()
-    assert [m["name"] for m in seen["models"]] == [MODEL]
+    assert [m["name"] for m in seen["models"]] == [f"{MODEL}:latest"]
     assert "pid" not in seen["models"][0]
     assert h.client.get("/api/ps", headers=admin).json()["models"][0]["pid"] == 1234
 
