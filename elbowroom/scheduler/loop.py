@@ -304,7 +304,7 @@ class Scheduler:
 
     def pause_loads(self, paused: bool) -> None:
         """The pressure guard pauses new loads under soft pressure; a load waits for the
-        resume up to ``settings.load_timeout``, then fails with 503 MemoryPressure."""
+        resume up to ``settings.load_pause_wait``, then fails with 503 MemoryPressure."""
         if paused != self.residency.loads_paused:
             log.warning("loads %s", "paused (memory pressure)" if paused else "resumed")
         self.residency.loads_paused = paused
