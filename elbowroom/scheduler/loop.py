@@ -155,6 +155,9 @@ class Scheduler:
         spec = self._catalog.get(model_id)
         self.residency.bind_loop()
         async with self.lanes.slot(spec.id) as lane:
+            # A load waiting for this model to go idle goes first (unclaimed meanwhile, so
+            # the model can go idle): a model in steady use never starves another's load.
+            await self.residency.wait_drained(spec.id)
             lane.claims += 1
             claimed = True
             try:

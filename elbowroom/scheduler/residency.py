@@ -61,6 +61,7 @@ class _Room:
 
     gated: bool = False
     wait_deadline: float | None = None
+    busy: frozenset[str] = frozenset()  # the busy models it waits for (drained meanwhile)
 
 
 class Residency:
@@ -106,6 +107,9 @@ class Residency:
         # model): sized by their plan, not by the estimate, and never recorded as measured.
         self.planned: dict[str, Plan] = {}
         self.loads_paused = False  # set by the pressure guard (Scheduler.pause_loads)
+        # Loads waiting for busy models -> those models: no new request starts on them
+        # until the load is done, so a model in steady use cannot starve the load.
+        self._waits_for: dict[str, frozenset[str]] = {}
         self._load_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -184,8 +188,8 @@ class Residency:
         """Load ``spec``: one load at a time makes room and starts its runner, but a load
         that has to wait (loads paused under pressure, busy models in the way) waits
         *without* the load lock, so it never holds up a load that fits now."""
+        room = _Room()
         try:
-            room = _Room()
             while True:
                 await self._wait_unpaused(spec.id)
                 async with self._load_lock:
@@ -194,9 +198,25 @@ class Residency:
                     plan = await self._make_room(spec, room)
                     if plan is not None:
                         return await self._start_runner(spec, lane, plan)
+                self._waits_for[spec.id] = room.busy
                 await self._sleep(POLL)  # waiting for busy models, the lock released
         finally:
+            self._waits_for.pop(spec.id, None)
             lane.load_task = None
+
+    def draining(self, model_id: str) -> bool:
+        """Whether a load waits for ``model_id`` to go idle (new requests on it wait)."""
+        return any(model_id in busy for busy in self._waits_for.values())
+
+    async def wait_drained(self, model_id: str) -> None:
+        """Before a request starts on a loaded model: wait while a load waits for that model
+        to go idle. The wait ends when the load does (loaded, or refused at
+        ``load_timeout``); the request then finds its model loaded or loads it again."""
+        while self.draining(model_id):
+            rec = self.loaded.get(model_id)
+            if rec is None or rec.phase is not Phase.READY:
+                return  # evicted meanwhile: ensure_loaded loads it again
+            await self._sleep(POLL)
 
     async def _make_room(self, spec: ModelSpec, room: _Room | None = None) -> Plan | None:
         """Evict until ``spec`` fits and return its plan; None when it has to wait for busy
@@ -230,6 +250,7 @@ class Residency:
                     )
                 continue
             now = self._clock()
+            room.busy = frozenset(decision.busy)
             if room.wait_deadline is None:
                 room.wait_deadline = now + self.settings.load_timeout
                 log.info("load of %s waits for busy model(s) %s", spec.id, decision.busy)

@@ -229,6 +229,26 @@ def test_a_load_waiting_for_busy_models_does_not_hold_up_a_load_that_fits() -> N
     run(scenario())
 
 
+def test_a_model_in_steady_use_does_not_starve_a_load_waiting_for_it() -> None:
+    async def scenario() -> None:
+        first, second = spec("l1", ModelKind.LLM, 300), spec("l2", ModelKind.LLM, 550)
+        h = harness(first, second, slots=2)  # two requests can run on l1 at once
+        task, gate = await hold_request(h, "l1")
+        load = asyncio.create_task(request(h, "l2"))  # waits for l1 to go idle
+        await until(lambda: h.clock.now > 1001)
+        more = asyncio.create_task(request(h, "l1"))  # would keep l1 busy for ever
+        await until(lambda: h.clock.now > 1003)
+        (row,) = h.sched.ps()
+        assert row["id"] == "l1" and row["busy"] == 1  # the new request waits its turn
+        gate.set()
+        assert await task == "ok"
+        assert await load == "ok"  # l2 went first
+        assert await more == "ok"  # then l1 again
+        assert h.machine.starts == ["l1", "l2", "l1"]
+
+    run(scenario())
+
+
 def test_pinned_model_is_not_evicted_and_the_refusal_names_it() -> None:
     async def scenario() -> None:
         h = harness(A, BIG)
