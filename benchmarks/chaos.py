@@ -30,7 +30,8 @@ kernel OOM-kills past it) with two things that grow after the scheduler admitted
   each LLM runner's cache fills toward its grant (``ELBOWROOM_KV_RAM_MAX``), which the
   scheduler does not charge at load time.
 
-Client threads (official openai client, no retries, honouring Retry-After) send chat to
+Client threads (official openai client; a refused request, 503/507, is sent again after its
+Retry-After, at most twice, like a real client) send chat to
 both LLMs, transcriptions, speech and embeddings. A sampler reads the cgroup's usage,
 failcnt and OOM-kill counter. Both modes of a seed see the same neighbour pattern and the
 same request sequence. Everything is on loopback, every loop has a deadline, and the
@@ -384,6 +385,22 @@ class Result:
     status: int  # 200 ok; HTTP status; 0 for a connection error or timeout
     error: str = ""  # error type/code from the body, or the exception name
     message: str = ""
+    attempt: int = 0  # 0 the first try, 1.. a retry of the same request
+
+
+# A refused request (503/507 before any output) is retried like a real client does (the
+# official clients retry 5xx, honouring Retry-After): the same request after Retry-After
+# (1 s when the answer has none), at most this many times.
+RETRIES = 2
+
+
+def retry_delay(status: int, retry_after: float, attempt: int) -> float | None:
+    """Seconds to wait before retrying a request answered ``status`` on try ``attempt``
+    (0 the first), or None when it is not retried: only refusals (503, 507), at most
+    ``RETRIES`` times."""
+    if status not in (503, 507) or attempt >= RETRIES:
+        return None
+    return retry_after if retry_after > 0 else 1.0
 
 
 _WORDS_TEXT = (
@@ -421,17 +438,24 @@ def client(
     )
     mix = list(scenario.mix)
     weights = [w for *_, w in mix]
+    # a refused request to send again: (endpoint, model, prompt, max_tokens, attempt)
+    retry: tuple[str, str, str, int, int] | None = None
     while time.monotonic() < stop_at:
-        endpoint, model, _ = rng.choices(mix, weights)[0]
-        # drawn for every request: the sequence stays the same
-        prompt = long_prompt(rng, scenario.prompt_words)
+        if retry is not None:
+            endpoint, model, prompt, max_tokens, attempt = retry
+        else:
+            endpoint, model, _ = rng.choices(mix, weights)[0]
+            # drawn for every request: the sequence stays the same
+            prompt, attempt = long_prompt(rng, scenario.prompt_words), 0
+            max_tokens = rng.randint(8, 32) if endpoint == "chat" else 0
         t0 = time.monotonic()
         status, error, message, retry_after = 200, "", "", 0.0
+        refused_up_front = False  # an HTTP error status, not an error event mid-stream
         try:
             if endpoint == "chat" and scenario.stream:
                 stream = api.chat.completions.create(
                     model=model,
-                    max_tokens=rng.randint(8, 32),
+                    max_tokens=max_tokens,
                     temperature=0.7,
                     messages=[{"role": "user", "content": prompt}],
                     stream=True,
@@ -441,7 +465,7 @@ def client(
             elif endpoint == "chat":
                 api.chat.completions.create(
                     model=model,
-                    max_tokens=rng.randint(8, 32),
+                    max_tokens=max_tokens,
                     temperature=0.7,
                     messages=[{"role": "user", "content": prompt}],
                 )
@@ -455,6 +479,7 @@ def client(
                 api.embeddings.create(model=model, input=[prompt[i : i + 300] for i in (35, 400)])
         except openai.APIStatusError as exc:
             status = exc.status_code
+            refused_up_front = True
             body = exc.body if isinstance(exc.body, dict) else {}
             body = body["error"] if isinstance(body.get("error"), dict) else body
             error = f"{body.get('type') or '?'}/{body.get('code') or '-'}"
@@ -471,12 +496,25 @@ def client(
                 if body.get("type") == "memory_pressure":
                     status = 503
         out.append(
-            Result(t0 - start, time.monotonic() - start, endpoint, model, status, error, message)
+            Result(
+                t0 - start,
+                time.monotonic() - start,
+                endpoint,
+                model,
+                status,
+                error,
+                message,
+                attempt,
+            )
         )
-        if status == 507:
-            retry_after = 1.0  # "cannot fit now": no Retry-After, but hammering helps nobody
-        if retry_after:  # a polite client honours Retry-After (a pause, not synchronization)
-            time.sleep(min(retry_after, max(0.0, stop_at - time.monotonic())))
+        delay = retry_delay(status, retry_after, attempt) if refused_up_front else None
+        retry = (endpoint, model, prompt, max_tokens, attempt + 1) if delay is not None else None
+        if delay is None and status == 507:
+            delay = 1.0  # "cannot fit now": no Retry-After, but hammering helps nobody
+        elif delay is None and retry_after:
+            delay = retry_after
+        if delay:  # a polite client honours Retry-After (a pause, not synchronization)
+            time.sleep(min(delay, max(0.0, stop_at - time.monotonic())))
 
 
 def sampler(
@@ -704,6 +742,8 @@ def summarize(r: Run) -> dict[str, Any]:
         "server_died": r.server_died,
         "server_exit": r.server_exit,
         "requests": len(r.results),
+        "retries": sum(1 for x in r.results if x.attempt > 0),
+        "served_on_retry": sum(1 for x in served if x.attempt > 0),
         "served": outcomes.count("served"),
         "refused_503": outcomes.count("503"),
         "aborted": outcomes.count("aborted"),
@@ -974,8 +1014,9 @@ def markdown(summaries: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"{meta['ceiling'][0]:.0%}–{meta['ceiling'][1]:.0%} of the limit, holds, frees, "
             f"rests), and each LLM runner's RAM prompt cache (every chat request is a distinct "
             f"~{PROMPT_WORDS}-word prompt; the cache fills toward its grant). "
-            f"{meta['clients']} client threads (openai client, no retries, honouring "
-            "Retry-After) sent chat to both LLMs, transcriptions, speech and embeddings. "
+            f"{meta['clients']} client threads (openai client; a refused request, 503/507, "
+            "sent again after its Retry-After, at most twice) sent chat to both LLMs, "
+            "transcriptions, speech and embeddings. "
             "The **fast** scenario differs: `--ctx 2048`, its own neighbour (320 MiB/s to "
             "896 MiB, three bursts, rests and holds from the seed: the patterns below), "
             "~1,000-token prompts (900 words) streamed to both LLMs and embeddings (no audio), "

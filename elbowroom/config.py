@@ -119,6 +119,8 @@ class Settings:
     keep_alive: float = 300.0  # seconds an idle mmap (LLM) model stays loaded
     resident_idle: float = 300.0  # seconds an idle resident engine (whisper/piper/onnx) stays
     load_timeout: float = 180.0
+    # seconds a load waits for loads paused under memory pressure before its 503 + Retry-After
+    load_pause_wait: float = 15.0
     stop_grace: float = 5.0
     crash_backoff_initial: float = 10.0
     crash_backoff_max: float = 300.0

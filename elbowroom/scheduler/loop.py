@@ -155,6 +155,9 @@ class Scheduler:
         spec = self._catalog.get(model_id)
         self.residency.bind_loop()
         async with self.lanes.slot(spec.id) as lane:
+            # A load waiting for this model to go idle goes first (unclaimed meanwhile, so
+            # the model can go idle): a model in steady use never starves another's load.
+            await self.residency.wait_drained(spec.id)
             lane.claims += 1
             claimed = True
             try:
@@ -304,7 +307,7 @@ class Scheduler:
 
     def pause_loads(self, paused: bool) -> None:
         """The pressure guard pauses new loads under soft pressure; a load waits for the
-        resume up to ``settings.load_timeout``, then fails with 503 MemoryPressure."""
+        resume up to ``settings.load_pause_wait``, then fails with 503 MemoryPressure."""
         if paused != self.residency.loads_paused:
             log.warning("loads %s", "paused (memory pressure)" if paused else "resumed")
         self.residency.loads_paused = paused

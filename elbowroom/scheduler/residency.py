@@ -3,11 +3,12 @@
 The one owner of the ``Loaded`` records: starting a runner (one load at a time machine-wide,
 ``_load_lock``: two loads sized against the same free memory would both fit on paper and
 not in RAM), making room for it (size, place, ask ``policy.decide``, evict, wait for busy
-models or refuse with a 507), stopping runners (eviction, keep-alive, explicit unload,
-pressure), noticing runners that died, and the memory picture its decisions use: a fresh
-sample from the monitor under the load lock, and ``own_usage()`` (the one definition of
-our bytes) for the monitor in turn. After an eviction the next decision waits until the
-freed memory actually shows up in the probe.
+models or refuse with a 507; a load that waits, for busy models or for loads paused under
+pressure, waits without the lock, so it never holds up a load that fits now), stopping
+runners (eviction, keep-alive, explicit unload, pressure), noticing runners that died, and
+the memory picture its decisions use: a fresh sample from the monitor under the load lock,
+and ``own_usage()`` (the one definition of our bytes) for the monitor in turn. After an
+eviction the next decision waits until the freed memory actually shows up in the probe.
 
 Everything runs on one asyncio event loop, so the records need no locks: a decision and
 the bookkeeping that applies it happen with no ``await`` in between (a model chosen for
@@ -24,6 +25,7 @@ import math
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from elbowroom.config import Settings
@@ -52,9 +54,22 @@ from elbowroom.scheduler.settle import POLL, Settle, Sleep
 from elbowroom.scheduler.sizing import Plan, start_options
 from elbowroom.units import format_size
 
+# Retry-After (s) of a load refused because loads stayed paused: a pressure episode (a
+# neighbour's burst, an unload settling) is seconds long.
+PAUSED_RETRY_AFTER = 5.0
+
 __all__ = ["Residency"]
 
 log = logging.getLogger("elbowroom.scheduler")
+
+
+@dataclass(slots=True)
+class _Room:
+    """One load's progress across its tries: the vision gate checked, the busy-wait's end."""
+
+    gated: bool = False
+    wait_deadline: float | None = None
+    busy: frozenset[str] = frozenset()  # the busy models it waits for (drained meanwhile)
 
 
 class Residency:
@@ -102,6 +117,9 @@ class Residency:
         # model): sized by their plan, not by the estimate, and never recorded as measured.
         self.planned: dict[str, Plan] = {}
         self.loads_paused = False  # set by the pressure guard (Scheduler.pause_loads)
+        # Loads waiting for busy models -> those models: no new request starts on them
+        # until the load is done, so a model in steady use cannot starve the load.
+        self._waits_for: dict[str, frozenset[str]] = {}
         self._load_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -177,12 +195,24 @@ class Residency:
             await asyncio.shield(lane.load_task)
 
     async def _load(self, spec: ModelSpec, lane: Lane) -> Loaded:
+        """Load ``spec``: one load at a time makes room and starts its runner, but a load
+        that has to wait (loads paused under pressure, busy models in the way) waits
+        *without* the load lock, so it never holds up a load that fits now."""
+        room = _Room()
         try:
             await self._check_template(spec)
-            async with self._load_lock:
-                plan = await self._make_room(spec)
-                return await self._start_runner(spec, lane, plan)
+            while True:
+                await self._wait_unpaused(spec.id)
+                async with self._load_lock:
+                    if self.loads_paused:  # paused while this load queued for the lock
+                        continue
+                    plan = await self._make_room(spec, room)
+                    if plan is not None:
+                        return await self._start_runner(spec, lane, plan)
+                self._waits_for[spec.id] = room.busy
+                await self._sleep(POLL)  # waiting for busy models, the lock released
         finally:
+            self._waits_for.pop(spec.id, None)
             lane.load_task = None
 
     async def _check_template(self, spec: ModelSpec) -> None:
@@ -204,16 +234,30 @@ class Residency:
             self.events.add("load_failed", spec.id, f"load of {spec.id} refused: {exc}")
             raise
 
-    async def _make_room(self, spec: ModelSpec) -> Plan:
-        """Evict or wait until ``spec`` fits; raise InsufficientMemory when it never will."""
-        wait_deadline: float | None = None
-        gated = False
-        await self._wait_unpaused(spec.id)
+    def draining(self, model_id: str) -> bool:
+        """Whether a load waits for ``model_id`` to go idle (new requests on it wait)."""
+        return any(model_id in busy for busy in self._waits_for.values())
+
+    async def wait_drained(self, model_id: str) -> None:
+        """Before a request starts on a loaded model: wait while a load waits for that model
+        to go idle. The wait ends when the load does (loaded, or refused at
+        ``load_timeout``); the request then finds its model loaded or loads it again."""
+        while self.draining(model_id):
+            rec = self.loaded.get(model_id)
+            if rec is None or rec.phase is not Phase.READY:
+                return  # evicted meanwhile: ensure_loaded loads it again
+            await self._sleep(POLL)
+
+    async def _make_room(self, spec: ModelSpec, room: _Room | None = None) -> Plan | None:
+        """Evict until ``spec`` fits and return its plan; None when it has to wait for busy
+        models (the caller sleeps without the load lock and asks again); raise
+        InsufficientMemory when it never will or the wait passed ``load_timeout``."""
+        room = room if room is not None else _Room()
         while True:
             await self.drain_stops()
             sample, state, plan, decision = self.consider(spec)
-            if not gated:  # the vision gate: 507 for a vision model above it, else a warning
-                gated = True
+            if not room.gated:  # the vision gate: 507 for a vision model above it, else a warning
+                room.gated = True
                 try:
                     vision_gate.check(spec, plan, self.settings, sample.limit.value)
                 except InsufficientMemory:
@@ -236,12 +280,13 @@ class Residency:
                     )
                 continue
             now = self._clock()
-            if wait_deadline is None:
-                wait_deadline = now + self.settings.load_timeout
+            room.busy = frozenset(decision.busy)
+            if room.wait_deadline is None:
+                room.wait_deadline = now + self.settings.load_timeout
                 log.info("load of %s waits for busy model(s) %s", spec.id, decision.busy)
-            if now >= wait_deadline:
+            if now >= room.wait_deadline:
                 raise self._refusal(policy.refuse(state, plan.request))
-            await self._sleep(POLL)
+            return None
 
     def consider(self, spec: ModelSpec) -> tuple[Sample, policy.State, Plan, policy.Decision]:
         """A fresh memory picture and what a load of ``spec`` would meet in it now: the
@@ -263,16 +308,19 @@ class Residency:
         return sample, state, plan, decision
 
     async def _wait_unpaused(self, model_id: str) -> None:
+        """Wait while loads are paused under memory pressure, at most ``load_pause_wait``
+        seconds, then 503 with a Retry-After: a client retries a little later instead of
+        holding its request open through the whole episode."""
         if not self.loads_paused:
             return
         log.info("load of %s waits: loads are paused under memory pressure", model_id)
-        deadline = self._clock() + self.settings.load_timeout
+        deadline = self._clock() + self.settings.load_pause_wait
         while self.loads_paused:
             if self._clock() >= deadline:
                 self.counters["refusals_503"] += 1
                 raise MemoryPressure(
                     f"cannot load {model_id!r} now: loads are paused under memory pressure",
-                    retry_after=10.0,
+                    retry_after=PAUSED_RETRY_AFTER,
                 )
             await self._sleep(POLL)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from chaos import STEP_MIB, Result, level_seconds, neighbour_pattern, outcome
+from chaos import RETRIES, STEP_MIB, Result, level_seconds, neighbour_pattern, outcome, retry_delay
 
 
 def test_neighbour_pattern_is_the_seeds_own_and_fills_the_duration() -> None:
@@ -52,3 +52,13 @@ def test_the_fast_neighbour_grows_its_bursts_within_the_duration() -> None:
     assert a == fixed_pattern(random.Random(1), 75, rate, ceiling, bursts)
     assert len(a) == 3 and all(b.rate == 320 and b.ceiling == 896 for b in a)
     assert sum(b.rest_s + b.ceiling / b.rate + b.hold_s for b in a) <= 75
+
+
+def test_a_refused_request_is_retried_after_retry_after_at_most_twice() -> None:
+    assert RETRIES == 2
+    assert retry_delay(503, 5.0, 0) == 5.0  # Retry-After honoured
+    assert retry_delay(507, 0.0, 1) == 1.0  # none given: a second
+    assert retry_delay(503, 5.0, 2) is None  # bounded
+    assert retry_delay(200, 0.0, 0) is None
+    assert retry_delay(0, 0.0, 0) is None  # a timeout or a dropped connection: not retried
+    assert retry_delay(500, 0.0, 0) is None

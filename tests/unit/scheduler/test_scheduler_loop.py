@@ -214,6 +214,43 @@ def test_waiting_for_busy_models_ends_in_507_at_load_timeout() -> None:
     run(scenario())
 
 
+def test_a_load_waiting_for_busy_models_does_not_hold_up_a_load_that_fits() -> None:
+    async def scenario() -> None:
+        small = spec("small", size_mib=100)
+        h = harness(A, BIG, small)
+        task, gate = await hold_request(h, "a")
+        load = asyncio.create_task(request(h, "big"))  # 300 + 550 > 680: waits for a
+        await until(lambda: h.clock.now > 1001)  # the big load is polling
+        assert await request(h, "small") == "ok"  # 300 + 100 fits: loads beside busy a
+        assert not load.done() and h.loaded() == ["a", "small"]
+        gate.set()
+        assert await task == "ok"
+        assert await load == "ok"
+        assert h.loaded() == ["big"]
+
+    run(scenario())
+
+
+def test_a_model_in_steady_use_does_not_starve_a_load_waiting_for_it() -> None:
+    async def scenario() -> None:
+        first, second = spec("l1", ModelKind.LLM, 300), spec("l2", ModelKind.LLM, 550)
+        h = harness(first, second, slots=2)  # two requests can run on l1 at once
+        task, gate = await hold_request(h, "l1")
+        load = asyncio.create_task(request(h, "l2"))  # waits for l1 to go idle
+        await until(lambda: h.clock.now > 1001)
+        more = asyncio.create_task(request(h, "l1"))  # would keep l1 busy for ever
+        await until(lambda: h.clock.now > 1003)
+        (row,) = h.sched.ps()
+        assert row["id"] == "l1" and row["busy"] == 1  # the new request waits its turn
+        gate.set()
+        assert await task == "ok"
+        assert await load == "ok"  # l2 went first
+        assert await more == "ok"  # then l1 again
+        assert h.machine.starts == ["l1", "l2", "l1"]
+
+    run(scenario())
+
+
 def test_pinned_model_is_not_evicted_and_the_refusal_names_it() -> None:
     async def scenario() -> None:
         h = harness(A, BIG)
@@ -667,14 +704,35 @@ def test_unload_now_or_when_idle() -> None:
 
 def test_paused_loads_wait_then_fail_with_503() -> None:
     async def scenario() -> None:
-        h = harness(A, B, load_timeout=1.0)
+        # load_pause_wait bounds the wait, not load_timeout: a 503 + Retry-After well
+        # before a client's own timeout
+        h = harness(A, B, load_pause_wait=1.0)
         await request(h, "a")
         h.sched.pause_loads(True)
         assert await request(h, "a") == "ok"  # loaded models still serve
-        with pytest.raises(MemoryPressure):
+        start = h.clock.now
+        with pytest.raises(MemoryPressure) as err:
             await request(h, "b")
+        assert 1.0 <= h.clock.now - start < 2.0
+        assert err.value.status == 503 and err.value.retry_after == 5.0
         h.sched.pause_loads(False)
         assert await request(h, "b") == "ok"
+
+    run(scenario())
+
+
+def test_a_paused_load_resumes_when_the_pause_ends_and_loaded_models_serve_meanwhile() -> None:
+    async def scenario() -> None:
+        h = harness(A, B, load_pause_wait=1000.0)
+        await request(h, "a")
+        h.sched.pause_loads(True)
+        load = asyncio.create_task(request(h, "b"))
+        await until(lambda: h.clock.now > 1001)  # b's load is waiting on the pause
+        assert await request(h, "a") == "ok"  # never waits on b's paused load
+        assert not load.done() and h.loaded() == ["a"]
+        h.sched.pause_loads(False)
+        assert await load == "ok"
+        assert "b" in h.loaded()
 
     run(scenario())
 
