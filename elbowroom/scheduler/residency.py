@@ -90,6 +90,9 @@ class Residency:
         # Loads planned elsewhere (``Scheduler.host``: a cluster node's share of a split
         # model): sized by their plan, not by the estimate, and never recorded as measured.
         self.planned: dict[str, Plan] = {}
+        # The context a request asked a model to be loaded with (Ollama's num_ctx,
+        # ``Scheduler.fit_context``): it sizes the model's loads until the model is unloaded.
+        self.ctx_wanted: dict[str, int] = {}
         self.loads_paused = False  # set by the pressure guard (Scheduler.pause_loads)
         self._load_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -228,6 +231,7 @@ class Residency:
             self._estimate,
             self._measured,
             sample.limit.value,
+            self.ctx_wanted.get(spec.id),
         )
         return sample, state, plan, decision
 
@@ -306,6 +310,10 @@ class Residency:
             plan.n_ctx or "-",
         )
         return rec
+
+    def refusal(self, refusal: policy.Refuse) -> InsufficientMemory:
+        """The 507 for ``refusal``, counted."""
+        return self._refusal(refusal)
 
     def _refusal(self, refusal: policy.Refuse) -> InsufficientMemory:
         self.counters["refusals_507"] += 1
@@ -402,6 +410,7 @@ class Residency:
     def forget(self, rec: Loaded) -> None:
         if self.loaded.get(rec.spec.id) is rec:
             del self.loaded[rec.spec.id]
+            self.ctx_wanted.pop(rec.spec.id, None)  # the next load is sized afresh
             if not self.loaded:
                 self._went_idle()
         rec.stopped.set()
