@@ -258,8 +258,8 @@ class Scheduler:
         res.bind_loop()
         cap = context_cap(spec, None)
         want = min(n_ctx, cap) if cap else n_ctx
-        if not has_context(spec):
-            return await self.load(spec.id)
+        if not has_context(spec) or spec.id in res.planned:
+            return await self.load(spec.id)  # no context, or a cluster share's (its plan's)
         lane = self.lanes.lane(spec.id)
         while True:
             if lane.load_task is not None:
