@@ -30,15 +30,20 @@ def client(server: ServerProcess) -> ollama.Client:
     return ollama.Client(host=server.url, timeout=180)
 
 
+def bare(name: object) -> str:
+    """A model's name without the ``:latest`` tag that /api/tags and /api/ps add."""
+    return str(name).removesuffix(":latest")
+
+
 def loaded(client: ollama.Client) -> list[str]:
-    return [str(m.model) for m in client.ps().models]
+    return [bare(m.model) for m in client.ps().models]
 
 
 def test_list_show_version(client: ollama.Client, server: ServerProcess) -> None:
     names = [m.model for m in client.list().models]
-    assert LLM in names and EMBED in names
+    assert LLM + ":latest" in names and EMBED + ":latest" in names
     assert "whisper-tiny.en" not in names  # not something the Ollama API can run
-    tag = next(m for m in client.list().models if m.model == LLM)
+    tag = next(m for m in client.list().models if bare(m.model) == LLM)
     assert tag.size and tag.size > 10_000_000 and tag.details and tag.details.format == "gguf"
     shown = client.show(LLM + ":latest")
     assert shown.capabilities == ["completion", "tools"]
@@ -119,7 +124,7 @@ def test_embed_and_embeddings(client: ollama.Client) -> None:
 def test_ps_and_keep_alive_zero_unloads(client: ollama.Client, server: ServerProcess) -> None:
     client.generate(model=LLM, prompt="Hi", options={"num_predict": 2})
     client.embed(model=EMBED, input="x")
-    ps = {m.model: m for m in client.ps().models}
+    ps = {bare(m.model): m for m in client.ps().models}
     llm = ps[LLM]
     assert llm.size and llm.size > 50_000_000 and llm.size_vram == 0
     assert llm.context_length == 1024 and llm.expires_at is not None
