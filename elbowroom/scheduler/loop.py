@@ -26,10 +26,11 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from elbowroom.config import Settings
-from elbowroom.errors import RunnerCrashed, Unavailable
+from elbowroom.errors import InsufficientMemory, RunnerCrashed, Unavailable
 from elbowroom.memory.heap import trim
 from elbowroom.memory.monitor import Monitor
 from elbowroom.memory.types import Probe
+from elbowroom.models.estimate import context_cap
 from elbowroom.runtime.protocol import Runner, RunnerFactory
 from elbowroom.scheduler import policy, report
 from elbowroom.scheduler.events import EventLog
@@ -38,7 +39,7 @@ from elbowroom.scheduler.lanes import Lanes
 from elbowroom.scheduler.records import InFlightRequest, Lane, Loaded, Phase
 from elbowroom.scheduler.residency import Residency, no_server_bytes
 from elbowroom.scheduler.settle import Sleep
-from elbowroom.scheduler.sizing import Plan
+from elbowroom.scheduler.sizing import Plan, has_context
 
 log = logging.getLogger("elbowroom.scheduler")
 
@@ -243,6 +244,65 @@ class Scheduler:
         never recorded in the measured store (it is not a whole model)."""
         self.residency.planned[model_id] = plan
         return await self.load(model_id, pin=pin)
+
+    async def fit_context(self, model_id: str, n_ctx: int) -> dict[str, Any]:
+        """Have ``model_id`` loaded with at least ``n_ctx`` tokens of context per slot
+        (Ollama's ``num_ctx``), capped at its trained context; its ps row.
+
+        Loaded with that much or more: nothing changes. Loaded with less: if the larger
+        context fits the budget once the model's own bytes are freed (idle models may be
+        evicted), the model is reloaded at ``n_ctx`` as soon as its requests in flight and
+        queued finish (never cut: until then they run on the old runner; the KV disk tier
+        saves its slots on the way out); else the 507 with the numbers, the model untouched.
+        Not loaded: loaded at ``n_ctx``, the 507 when it cannot fit. The asked context sizes
+        the model's loads until it is unloaded. A reload that waits longer than
+        ``settings.load_timeout`` for the model's requests is a 503 (retry)."""
+        spec = self._catalog.get(model_id)
+        res = self.residency
+        res.bind_loop()
+        cap = context_cap(spec, None)
+        want = min(n_ctx, cap) if cap else n_ctx
+        if not has_context(spec) or spec.id in res.planned:
+            return await self.load(spec.id)  # no context, or a cluster share's (its plan's)
+        lane = self.lanes.lane(spec.id)
+        while True:
+            if lane.load_task is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(lane.load_task)
+            rec = res.loaded.get(spec.id)
+            if rec is None:
+                break
+            if rec.phase is Phase.READY and rec.n_ctx >= want:
+                return report.describe(rec, lane, self._clock())
+            if rec.phase is Phase.READY:
+                # decide() leaves the model's own bytes out: they go with the old runner.
+                res.ctx_wanted[spec.id] = want
+                try:
+                    _, _, _, decision = res.consider(spec)
+                finally:
+                    res.ctx_wanted.pop(spec.id, None)
+                if isinstance(decision, policy.Refuse):
+                    raise res.refusal(decision)
+                log.info("reloading %s at n_ctx %d (was %d)", spec.id, want, rec.n_ctx)
+                if rec.busy == 0 and lane.claims == 0 and lane.waiting == 0:
+                    res.begin_stop(rec, "reload")
+                else:
+                    rec.unload_when_idle = "reload"
+            try:
+                await asyncio.wait_for(rec.stopped.wait(), self.settings.load_timeout)
+            except TimeoutError:
+                raise Unavailable(
+                    f"{spec.id} is to be reloaded with a {want}-token context once its "
+                    "requests in flight finish, and they have not yet; retry",
+                    retry_after=5.0,
+                ) from None
+        res.ctx_wanted[spec.id] = want
+        try:
+            await res.ensure_loaded(spec, lane)
+        except InsufficientMemory:
+            res.ctx_wanted.pop(spec.id, None)
+            raise
+        return await self.load(spec.id)
 
     async def unload(self, model_id: str, *, reason: str = "explicit") -> dict[str, Any]:
         """Unload ``model_id`` now, or as soon as its requests in flight finish.

@@ -39,10 +39,12 @@ def plan_and_decide(
     estimate: Estimator,
     measured: Measurements | None,
     pool_limit: int,
+    ctx: int | None = None,
 ) -> tuple[Plan, policy.Decision]:
     """The sized and placed plan for loading ``spec`` now, and what the policy says.
-    ``pool_limit``: the memory limit (not the load ceiling) the vision gate is a share of."""
+    ``pool_limit``: the memory limit (not the load ceiling) the vision gate is a share of.
+    ``ctx``: the context a request asked for (``sizing.plan_load``)."""
     sized = vision_gate.sizing_state(state, spec, settings, pool_limit)
-    plan = plan_load(spec, settings, sized, estimate, measured)
+    plan = plan_load(spec, settings, sized, estimate, measured, ctx)
     plan = offload_plan.place_on_gpus(plan, spec, settings, sized, pools)
     return plan, policy.decide(state, plan.request)

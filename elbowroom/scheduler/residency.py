@@ -116,6 +116,9 @@ class Residency:
         # Loads planned elsewhere (``Scheduler.host``: a cluster node's share of a split
         # model): sized by their plan, not by the estimate, and never recorded as measured.
         self.planned: dict[str, Plan] = {}
+        # The context a request asked a model to be loaded with (Ollama's num_ctx,
+        # ``Scheduler.fit_context``): it sizes the model's loads until the model is unloaded.
+        self.ctx_wanted: dict[str, int] = {}
         self.loads_paused = False  # set by the pressure guard (Scheduler.pause_loads)
         # Loads waiting for busy models -> those models: no new request starts on them
         # until the load is done, so a model in steady use cannot starve the load.
@@ -304,6 +307,7 @@ class Residency:
             self._estimate,
             self._measured,
             sample.limit.value,
+            self.ctx_wanted.get(spec.id),
         )
         return sample, state, plan, decision
 
@@ -415,6 +419,10 @@ class Residency:
         await rec.runner.stop(0.0)
         return rec
 
+    def refusal(self, refusal: policy.Refuse) -> InsufficientMemory:
+        """The 507 for ``refusal``, counted."""
+        return self._refusal(refusal)
+
     def _refusal(self, refusal: policy.Refuse) -> InsufficientMemory:
         self.counters["refusals_507"] += 1
         limit = self._last.limit if self._last is not None else None
@@ -515,6 +523,7 @@ class Residency:
     def forget(self, rec: Loaded) -> None:
         if self.loaded.get(rec.spec.id) is rec:
             del self.loaded[rec.spec.id]
+            self.ctx_wanted.pop(rec.spec.id, None)  # the next load is sized afresh
             if not self.loaded:
                 self._went_idle()
         rec.stopped.set()

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from elbowroom.config import Settings
 from elbowroom.engines.options import EngineOptions, LlamaOptions, MlxOptions, Offload
-from elbowroom.models.estimate import prompt_cache_grant
+from elbowroom.models.estimate import context_cap, prompt_cache_grant
 from elbowroom.models.spec import Footprint, ModelSpec
 from elbowroom.scheduler.inputs import Estimator, Measurements
 from elbowroom.scheduler.placement import Placement
@@ -27,8 +27,9 @@ class Plan:
     slots: int
     placement: Placement | None = None  # GPU offload (scheduler.offload_plan); None: CPU
     cache_grant: int = 0  # bytes of RAM prompt cache granted to the engine (LLMs)
-    # Where n_ctx came from: "none" (no context), "setting" (settings.ctx), "auto" or
-    # "min_ctx" (auto-sizing found none that fits), for `elbowroom plan` and logs.
+    # Where n_ctx came from: "none" (no context), "setting" (settings.ctx), "request" (a
+    # request's context, Ollama's num_ctx), "auto" or "min_ctx" (auto-sizing found none
+    # that fits), for `elbowroom plan` and logs.
     ctx_source: str = "none"
 
 
@@ -48,10 +49,13 @@ def plan_load(
     state: State,
     estimate: Estimator,
     measured: Measurements | None,
+    ctx: int | None = None,
 ) -> Plan:
     """Size the load of ``spec``.
 
-    LLM context: ``settings.ctx`` when given, else ``auto_context`` over the budget left by
+    LLM context: ``ctx`` when a request asked for one (Ollama's ``num_ctx``; capped at the
+    model's trained context, never squeezed to fit: the policy waits or refuses), else
+    ``settings.ctx`` when given, else ``auto_context`` over the budget left by
     models that cannot be evicted (idle ones may be evicted for a larger context).
     When not even ``min_ctx`` fits, the plan is sized at ``min_ctx``: ``policy.decide``
     then waits for busy models or refuses with the numbers."""
@@ -63,7 +67,9 @@ def plan_load(
         return Plan(LoadRequest(spec.id, fp.total), fp, 0, kv_type, 1)
 
     source = "setting"
-    if settings.ctx is not None:
+    if ctx is not None:
+        n_ctx, source = min(ctx, context_cap(spec, None) or ctx), "request"
+    elif settings.ctx is not None:
         n_ctx = settings.ctx
     else:
         source = "auto"

@@ -11,7 +11,7 @@ import math
 import re
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -59,6 +59,13 @@ class SchedulerService(Protocol):
     def runner(self, model_id: str) -> Runner | None: ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class ContextFitter(Protocol):
+    """A scheduler that reloads a model with a larger context (Ollama's ``num_ctx``)."""
+
+    async def fit_context(self, model_id: str, n_ctx: int) -> dict[str, Any]: ...
 
 
 @dataclass(slots=True)

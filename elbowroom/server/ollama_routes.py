@@ -27,7 +27,7 @@ from elbowroom.server import admin_routes
 from elbowroom.server import ollama_models as views
 from elbowroom.server import ollama_shapes as shapes
 from elbowroom.server.auth import ADMIN_SCOPE_KEY
-from elbowroom.server.deps import Services, get_services, parse_keep_alive
+from elbowroom.server.deps import ContextFitter, Services, get_services, parse_keep_alive
 from elbowroom.server.embeddings_routes import check_inputs
 from elbowroom.server.errors import validation_to_bad_request
 from elbowroom.server.images import check_chat_images
@@ -239,11 +239,16 @@ def _validated(kind: str, openai: dict[str, Any]) -> ChatCompletionRequest | Com
 
 
 async def _check_num_ctx(services: Services, spec: ModelSpec, num_ctx: int | None) -> None:
-    """elbowroom sizes each model's context from its memory budget when it loads; a request
-    cannot resize it. A num_ctx within that context is honoured as it is; above it is a 400."""
+    """Ollama loads a model with the context ``num_ctx`` asks for: a model loaded with less
+    is reloaded at ``num_ctx`` when the budget allows (after its requests in flight finish;
+    ``Scheduler.fit_context``), the 507 when it does not. A smaller one runs as it is."""
     if num_ctx is None:
         return
     scheduler = services.scheduler
+    if isinstance(scheduler, ContextFitter):
+        await scheduler.fit_context(spec.id, num_ctx)
+        return
+    # A scheduler that cannot reload (the cluster's router): the loaded context is the most.
     ready = [r for r in scheduler.ps() if r["id"] == spec.id and r.get("state") == "ready"]
     row = ready[0] if ready else None
     if row is None:

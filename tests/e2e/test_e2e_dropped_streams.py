@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import openai
 import pytest
-from serverproc import ServerFactory, ServerProcess
+from serverproc import ServerFactory, ServerProcess, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -120,3 +120,25 @@ def test_a_stream_that_ends_any_way_leaves_its_prompt_reusable(
     shared = len(prefix(ending.__name__)) // 5  # a lower bound of the prefix's tokens
     assert n_prompt > 800
     assert cached >= shared // BLOCK * BLOCK, (n_prompt, cached)
+
+
+def test_a_close_that_comes_after_the_answer_ended_spoils_nothing(server: ServerProcess) -> None:
+    """The late cancel: the dropped stream's connection is closed (the client's garbage
+    collector, here ``close()``) only after its answer ended. The close reaches the server
+    (a client gone), the engine (a cancel of a finished task) and the runner (``close`` of
+    a ticket already given back): none may forget or wipe the slot's prompt."""
+    client = server.openai()
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages("late", QUESTION),  # type: ignore[arg-type]
+        **STREAM,  # type: ignore[arg-type]
+    )
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            break
+    # The whole answer went out (into the unread socket buffers): nothing runs any more.
+    wait_for(lambda: not any(r.get("busy") for r in server.ps()), timeout=600, what="answer ended")
+    stream.close()
+    ask(server, [{"role": "user", "content": "Say one word about the weather."}])
+    n_prompt, cached = ask(server, messages("late", "Which aisle for item 12?"))
+    assert cached >= len(prefix("late")) // 5 // BLOCK * BLOCK, (n_prompt, cached)

@@ -30,15 +30,20 @@ def client(server: ServerProcess) -> ollama.Client:
     return ollama.Client(host=server.url, timeout=180)
 
 
+def bare(name: object) -> str:
+    """A model's name without the ``:latest`` tag that /api/tags and /api/ps add."""
+    return str(name).removesuffix(":latest")
+
+
 def loaded(client: ollama.Client) -> list[str]:
-    return [str(m.model) for m in client.ps().models]
+    return [bare(m.model) for m in client.ps().models]
 
 
 def test_list_show_version(client: ollama.Client, server: ServerProcess) -> None:
     names = [m.model for m in client.list().models]
-    assert LLM in names and EMBED in names
+    assert LLM + ":latest" in names and EMBED + ":latest" in names
     assert "whisper-tiny.en" not in names  # not something the Ollama API can run
-    tag = next(m for m in client.list().models if m.model == LLM)
+    tag = next(m for m in client.list().models if bare(m.model) == LLM)
     assert tag.size and tag.size > 10_000_000 and tag.details and tag.details.format == "gguf"
     shown = client.show(LLM + ":latest")
     assert shown.capabilities == ["completion", "tools"]
@@ -119,7 +124,7 @@ def test_embed_and_embeddings(client: ollama.Client) -> None:
 def test_ps_and_keep_alive_zero_unloads(client: ollama.Client, server: ServerProcess) -> None:
     client.generate(model=LLM, prompt="Hi", options={"num_predict": 2})
     client.embed(model=EMBED, input="x")
-    ps = {m.model: m for m in client.ps().models}
+    ps = {bare(m.model): m for m in client.ps().models}
     llm = ps[LLM]
     assert llm.size and llm.size > 50_000_000 and llm.size_vram == 0
     assert llm.context_length == 1024 and llm.expires_at is not None
@@ -152,13 +157,50 @@ def test_errors_in_ollama_shape(client: ollama.Client, server: ServerProcess) ->
         client.chat(model=LLM, messages=[{"role": "user", "content": "?", "images": [b"\x89PNG"]}])
     assert info.value.status_code == 400 and "images" in info.value.error
     with pytest.raises(ollama.ResponseError) as info:
-        client.chat(model=LLM, messages=HI, options={"num_ctx": 8192})
-    assert info.value.status_code == 400 and "1024-token context" in info.value.error
-    with pytest.raises(ollama.ResponseError) as info:
         client.embed(model=LLM, input="x")
     assert info.value.status_code == 400
     r = httpx.post(server.url + "/api/generate", content=b'{"model": ', timeout=30)
     assert r.status_code == 400 and isinstance(r.json()["error"], str)
+
+
+def test_num_ctx_above_the_loaded_context_reloads_the_model_at_it(
+    client: ollama.Client, server: ServerProcess
+) -> None:
+    client.chat(model=LLM, messages=HI, options=GREEDY)
+    before = next(m for m in client.ps().models if m.name == LLM + ":latest")
+    assert before.context_length == 1024  # --ctx 1024
+    pid = next(r["pid"] for r in server.ps() if r["id"] == LLM)
+    # Below the loaded context: it runs as loaded.
+    client.chat(model=LLM, messages=HI, options={**GREEDY, "num_ctx": 512})
+    assert next(r["pid"] for r in server.ps() if r["id"] == LLM) == pid
+    out = client.chat(model=LLM, messages=HI, options={**GREEDY, "num_ctx": 2048})
+    assert out.done and out.message.content
+    after = next(m for m in client.ps().models if m.name == LLM + ":latest")
+    assert after.context_length == 2048
+    row = next(r for r in server.ps() if r["id"] == LLM)
+    assert row["n_ctx"] == 2048 and row["pid"] != pid  # a new runner, at the asked context
+
+
+def test_num_ctx_that_cannot_fit_is_a_507_in_ollama_shape(server_factory: ServerFactory) -> None:
+    # 4 slots: 1024 tokens each fit this budget; 8192 each (~0.75 GiB of f16 KV) do not.
+    limited = server_factory(
+        "--ctx",
+        "1024",
+        "--slots",
+        "4",
+        env={
+            "ELBOWROOM_KV_RAM_MAX": "0",
+            "ELBOWROOM_OVERRIDE_MEMORY": str(1536 * 2**20),
+            "ELBOWROOM_CONTAINER_MARGIN": str(512 * 2**20),
+        },
+    )
+    client = ollama.Client(host=limited.url, timeout=180)
+    assert client.chat(model=LLM, messages=HI, options=GREEDY).done
+    with pytest.raises(ollama.ResponseError) as info:
+        client.chat(model=LLM, messages=HI, options={**GREEDY, "num_ctx": 8192})
+    assert info.value.status_code == 507 and LLM in info.value.error
+    assert [(r["id"], r["n_ctx"]) for r in limited.ps()] == [(LLM, 1024)]  # left as it was
+    assert client.chat(model=LLM, messages=HI, options=GREEDY).done
 
 
 def test_ps_watch_draws_the_dashboard_in_the_terminal(
