@@ -371,9 +371,10 @@ class PressureGuard:
                 "order its runners for the OOM killer (it picks the largest)",
                 self._oom_base,
             )
+        # Written every sample: the target skips a runner that already has its value, and
+        # one it could not write yet (a runner still loading) is written once it can be.
         for model, adj in order.items():
-            if self._oom_order.get(model) != adj:
-                write(model, adj)
+            write(model, adj)
         self._oom_order = order
 
     def _projected(self, sample: Sample) -> tuple[Pressure, str | None]:

@@ -50,7 +50,9 @@ def server(server_factory: ServerFactory, models: Path) -> ServerProcess:
 
 
 def stats(server: ServerProcess, model: str) -> dict[str, Any]:
-    rows = {r["name"]: r for r in server.http().get("/api/ps").json()["models"]}
+    rows = {
+        r["name"].removesuffix(":latest"): r for r in server.http().get("/api/ps").json()["models"]
+    }
     return dict(rows[model].get("engine_stats") or {}) if model in rows else {}
 
 

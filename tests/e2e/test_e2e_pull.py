@@ -114,7 +114,7 @@ def test_cli_pull_json_then_chat(
         "--ctx", "1024", "--slots", "1", home=tmp_path, env={"HF_ENDPOINT": hub.url, **MACHINE}
     )
     client = ollama.Client(host=server.url, timeout=180)
-    assert PULLED in [m.model for m in client.list().models]
+    assert PULLED in [m.model.removesuffix(":latest") for m in client.list().models]
     out = client.chat(model=PULLED, messages=HI, options=GREEDY)
     assert out.done and out.message.content
 
@@ -209,14 +209,14 @@ def test_ollama_client_pull_chat_delete(
     downloading = [e for e in events if (e.status or "").startswith("downloading")]
     assert downloading[-1].completed == downloading[-1].total and downloading[-1].digest
     assert "verifying sha256 digest" in statuses
-    assert PULLED in [m.model for m in user.list().models]
+    assert PULLED in [m.model.removesuffix(":latest") for m in user.list().models]
     out = user.chat(model=PULLED, messages=HI, options=GREEDY)
     assert out.done and out.message.content
     again = admin.pull(NAME, stream=False)  # already there: nothing to download
     assert again.status == "success"
 
     assert admin.delete(PULLED).status == "success"
-    assert PULLED not in [m.model for m in user.list().models]
+    assert PULLED not in [m.model.removesuffix(":latest") for m in user.list().models]
     assert not _link(tmp_path).exists() and list(_blobs(tmp_path).iterdir()) == []
     with pytest.raises(ollama.ResponseError) as gone:
         admin.delete(PULLED)
@@ -252,7 +252,7 @@ def test_ollama_client_pull_chat_delete(
     ranges = [r for m, p, r in hub.log if m == "GET" and p.startswith("/cdn/") and r]
     starts = [int(r[6:-1]) for r in ranges if re.fullmatch(r"bytes=\d+-", r)]
     assert starts and starts[0] >= 16 * MiB, ranges
-    assert PULLED in [m.model for m in user.list().models]
+    assert PULLED in [m.model.removesuffix(":latest") for m in user.list().models]
     assert "Traceback" not in server.log(), server.log()[-3000:]
 
 

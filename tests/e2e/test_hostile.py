@@ -503,7 +503,7 @@ def test_inference_keys_see_no_pids_and_runners_get_no_keys(
     seen = httpx.get(
         keyed.url + "/api/ps", headers={"Authorization": "Bearer inference-key-28"}, timeout=30
     ).json()["models"]
-    assert [m["name"] for m in seen] == [MODEL] and "pid" not in seen[0]
+    assert [m["name"] for m in seen] == [f"{MODEL}:latest"] and "pid" not in seen[0]
     assert str(pid) not in json.dumps(seen)
 
 
