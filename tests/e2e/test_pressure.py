@@ -32,7 +32,7 @@ from cgroup_v1 import NEIGHBOUR, Cgroup, v1_available
 from serverproc import ServerProcess, wait_for
 
 from elbowroom.config import Settings
-from elbowroom.memory.process import measure_tree
+from elbowroom.memory.process import measure_pid, measure_tree
 from elbowroom.memory.types import Snapshot
 from elbowroom.server.app import create_app
 
@@ -67,8 +67,16 @@ class FakeMachine:
         )
 
     def squeeze(self, ratio: float) -> None:
-        """Make our usage ``ratio`` × the limit (the limit is available + ours - margin)."""
-        self.others = max(0, self.total - self.margin - int(self.ours() / ratio))
+        """Make our usage ``ratio`` × the limit (the limit is available + ours - margin).
+        "Ours" to the guard is the runners (this process's descendants, in ``used``) and the
+        server's own anonymous bytes (this process: pytest, which ``used`` leaves out and
+        which grows as the suite imports third-party clients and MLX into it)."""
+        runners = self.ours()
+        try:
+            server = measure_pid(os.getpid()).anonymous
+        except (ProcessLookupError, FileNotFoundError):
+            server = 0
+        self.others = max(0, self.total - self.margin + server - int((runners + server) / ratio))
 
 
 class InProcessServer:
@@ -159,7 +167,11 @@ def test_soft_pressure_unloads_the_least_recently_used_idle_model(
     assert LLM in server.loaded()  # one unload was enough: the LLM stays
     unload = server.events("unload")[0]
     assert unload["model"] == EMBED and unload["level"] == "soft"
-    assert "over the soft threshold" in unload["message"] and "MiB" in unload["message"]
+    # The message names the signal that moved the level: our usage over the soft threshold,
+    # or (once the suite has made this process large) the machine's available floor.
+    message = unload["message"]
+    assert "over the soft threshold" in message or "machine-wide" in message, message
+    assert "MiB" in message
     assert server.events("pause_loads"), "loads were not paused under soft pressure"
     wait_for(lambda: server.guard()["loads_paused"] is False, timeout=30, what="loads resumed")
     assert server.guard()["admission_open"]

@@ -31,7 +31,10 @@ def test_table_marks_the_winner_and_shows_the_level(capsys: pytest.CaptureFixtur
     assert "OS reserve " not in out  # no tiered reserve candidate
     limit_line = next(line for line in out.splitlines() if line.startswith("limit "))
     ceiling_line = next(line for line in out.splitlines() if line.startswith("ceiling "))
-    assert "GiB" in limit_line and "(85% of the limit: loads stop here)" in ceiling_line
+    # The limit is GiB-sized unless this test process holds much of the 2 GiB (the whole
+    # suite imports the third-party clients and MLX into it): "available" then wins.
+    assert "GiB" in limit_line or "(available)" in limit_line, limit_line
+    assert "(85% of the limit: loads stop here)" in ceiling_line
     assert "pressure: " in out
 
 
