@@ -183,3 +183,24 @@ def services(settings: Settings | None = None) -> tuple[Services, FakeScheduler]
 class Harness:
     client: Any  # starlette TestClient (an httpx.Client)
     scheduler: FakeScheduler
+
+
+def http_scope(path: str, headers: list[tuple[bytes, bytes]], **extra: Any) -> dict[str, Any]:
+    """The ASGI scope uvicorn hands the app for a POST to ``path`` on localhost, for tests that
+    drive the app with their own ``receive`` (a client that stalls or leaves); ``extra`` keys
+    are added to it (``app``)."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": headers,
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+        **extra,
+    }

@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 import pytest
+from server_fakes import http_scope
 from starlette.requests import Request
 from starlette.testclient import TestClient
 
@@ -470,24 +471,14 @@ def test_a_client_that_leaves_stops_the_work(path: str, content_type: bytes, bod
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "root_path": "",
-        "query_string": b"",
-        "headers": [
+    scope = http_scope(
+        path,
+        [
             (b"content-type", content_type),
             (b"content-length", str(len(body)).encode()),
             (b"host", b"localhost"),
         ],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 80),
-    }
+    )
 
     async def run() -> None:
         with anyio.fail_after(30):  # only the disconnect can end this call
@@ -522,24 +513,14 @@ def test_a_client_gone_mid_upload_is_not_a_500(caplog: pytest.LogCaptureFixture)
         sent.append(message)
 
     path = "/v1/audio/transcriptions"
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "root_path": "",
-        "query_string": b"",
-        "headers": [
+    scope = http_scope(
+        path,
+        [
             (b"content-type", b"multipart/form-data; boundary=b"),
             (b"content-length", b"900"),
             (b"host", b"localhost"),
         ],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 80),
-    }
+    )
     anyio.run(app, scope, receive, send)
     assert sent[0]["status"] == 499
     assert "internal error" not in caplog.text
@@ -568,24 +549,14 @@ def test_a_stalled_upload_times_out() -> None:
         sent.append(message)
 
     path = "/v1/audio/transcriptions"
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "root_path": "",
-        "query_string": b"",
-        "headers": [
+    scope = http_scope(
+        path,
+        [
             (b"content-type", b"multipart/form-data; boundary=b"),
             (b"content-length", b"900"),
             (b"host", b"localhost"),
         ],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 80),
-    }
+    )
 
     async def run() -> None:
         with anyio.fail_after(30):

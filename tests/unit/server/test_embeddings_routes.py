@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 import anyio
 import pytest
+from server_fakes import http_scope
 from starlette.testclient import TestClient
 
 from elbowroom.config import Settings
@@ -250,24 +251,14 @@ def test_a_client_that_leaves_stops_the_batch(path: str, body: bytes) -> None:
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "root_path": "",
-        "query_string": b"",
-        "headers": [
+    scope = http_scope(
+        path,
+        [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
             (b"host", b"localhost"),
         ],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 80),
-    }
+    )
 
     async def run() -> None:
         with anyio.fail_after(30):  # only the disconnect can end this call

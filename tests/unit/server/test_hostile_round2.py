@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from server_fakes import Harness
+from server_fakes import Harness, http_scope
 from vision_gguf import inflating_png
 
 from elbowroom.errors import BadRequest, PayloadTooLarge
@@ -195,21 +195,9 @@ def asgi_post(
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "root_path": "",
-        "query_string": b"",
-        "headers": [(b"host", b"localhost"), (b"content-type", b"application/json"), *headers],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 80),
-        "app": app,
-    }
+    scope = http_scope(
+        path, [(b"host", b"localhost"), (b"content-type", b"application/json"), *headers], app=app
+    )
     asyncio.run(asyncio.wait_for(app(scope, receive, send), timeout=60))
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     return sent[0]["status"], json.loads(body)

@@ -14,7 +14,7 @@ import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
-from server_fakes import Harness, services
+from server_fakes import Harness, http_scope, services
 from starlette.testclient import TestClient
 
 from elbowroom.config import Settings
@@ -462,20 +462,9 @@ def test_client_leaving_mid_stream_cancels_and_stores_nothing(tmp_path: Path) ->
         if b'"delta":"Hel"' in message.get("body", b""):
             first_token.set()
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/responses",
-        "raw_path": b"/v1/responses",
-        "root_path": "",
-        "query_string": b"",
-        "headers": [(b"content-type", b"application/json"), (b"host", b"localhost")],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 80),
-    }
+    scope = http_scope(
+        "/v1/responses", [(b"content-type", b"application/json"), (b"host", b"localhost")]
+    )
 
     async def run() -> None:
         # The runner hangs after its first piece: only the disconnect can end this call.

@@ -7,7 +7,7 @@ import asyncio
 import json
 from typing import Any
 
-from server_fakes import services
+from server_fakes import http_scope, services
 
 from elbowroom.server.app import create_app
 
@@ -34,20 +34,9 @@ def test_disconnect_mid_stream_closes_the_runner_request() -> None:
         if b'"content":"Hel"' in message.get("body", b""):
             first_token.set()
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/chat/completions",
-        "raw_path": b"/v1/chat/completions",
-        "root_path": "",
-        "query_string": b"",
-        "headers": [(b"content-type", b"application/json"), (b"host", b"localhost")],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 80),
-    }
+    scope = http_scope(
+        "/v1/chat/completions", [(b"content-type", b"application/json"), (b"host", b"localhost")]
+    )
 
     async def run() -> None:
         # The runner hangs after its first piece: only the disconnect can end this call.

@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from server_fakes import FakeCatalog, FakeScheduler, Harness, spec
+from server_fakes import FakeCatalog, FakeScheduler, Harness, http_scope, spec
 from starlette.testclient import TestClient
 
 from elbowroom.config import Settings
@@ -163,21 +163,11 @@ def asgi_post(
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/chat/completions",
-        "raw_path": b"/v1/chat/completions",
-        "root_path": "",
-        "query_string": b"",
-        "headers": [(b"host", b"localhost"), (b"content-type", b"application/json"), *headers],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 80),
-        "app": app,
-    }
+    scope = http_scope(
+        "/v1/chat/completions",
+        [(b"host", b"localhost"), (b"content-type", b"application/json"), *headers],
+        app=app,
+    )
     asyncio.run(asyncio.wait_for(app(scope, receive, send), timeout=30))
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     return sent[0]["status"], json.loads(body), read
