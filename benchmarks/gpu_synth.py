@@ -50,34 +50,8 @@ def write(
     tokenizer: str,
     tied: bool = False,
 ) -> None:
-    import gguf
-    from gguf import GGUFReader, GGUFWriter
-
+    w, reader = _writer(out, arch, layers, embd, heads, kv_heads, ffn, tokenizer, file_type=1)
     head_dim = embd // heads
-    reader = GGUFReader(tokenizer)
-    w = GGUFWriter(out, arch)
-    w.add_context_length(CTX)
-    w.add_embedding_length(embd)
-    w.add_block_count(layers)
-    w.add_feed_forward_length(ffn)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_rope_dimension_count(head_dim)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(1000000.0)
-    w.add_file_type(1)
-    for key, field in reader.fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        value, kind = field.contents(), field.types[0]
-        if kind == gguf.GGUFValueType.ARRAY:
-            w.add_array(key, value)
-        elif kind == gguf.GGUFValueType.STRING:
-            w.add_string(key, value)
-        elif kind == gguf.GGUFValueType.BOOL:
-            w.add_bool(key, value)
-        else:
-            w.add_uint32(key, int(value))
     vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
     rng = np.random.default_rng(0)
     cache: dict[tuple[int, ...], Any] = {}
@@ -194,22 +168,10 @@ def write_quant(
 ) -> None:
     """``write``'s model in a llama.cpp quantization mix (Q8_0, Q4_K_M, Q5_K_M)."""
     import gguf
-    from gguf import GGUFReader, GGUFWriter
 
+    file_type = {"Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17}[mix]
+    w, reader = _writer(out, arch, layers, embd, heads, kv_heads, ffn, tokenizer, file_type)
     head_dim = embd // heads
-    reader = GGUFReader(tokenizer)
-    w = GGUFWriter(out, arch)
-    w.add_context_length(CTX)
-    w.add_embedding_length(embd)
-    w.add_block_count(layers)
-    w.add_feed_forward_length(ffn)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_rope_dimension_count(head_dim)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(1000000.0)
-    w.add_file_type({"Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17}[mix])
-    _copy_tokenizer(reader, w)
     vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
     blocks = Blocks()
     kv = kv_heads * head_dim
@@ -246,6 +208,38 @@ def write_quant(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _writer(
+    out: str,
+    arch: str,
+    layers: int,
+    embd: int,
+    heads: int,
+    kv_heads: int,
+    ffn: int,
+    tokenizer: str,
+    file_type: int,
+) -> tuple[Any, Any]:
+    """A GGUF writer with the shape's header and the tokenizer file's vocabulary, and the
+    tokenizer's reader: what ``write`` and ``write_quant`` share before their tensors."""
+    from gguf import GGUFReader, GGUFWriter
+
+    head_dim = embd // heads
+    reader = GGUFReader(tokenizer)
+    w = GGUFWriter(out, arch)
+    w.add_context_length(CTX)
+    w.add_embedding_length(embd)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_dimension_count(head_dim)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(1000000.0)
+    w.add_file_type(file_type)
+    _copy_tokenizer(reader, w)
+    return w, reader
 
 
 def _copy_tokenizer(reader: Any, w: Any) -> None:
