@@ -21,6 +21,7 @@ from elbowroom.models.spec import ModelKind
 from elbowroom.server.deps import get_services, parse_keep_alive
 from elbowroom.server.metrics import record_model
 from elbowroom.server.model_calls import EMBEDDING_ALIASES, resolve_model, run_once
+from elbowroom.server.ollama_shapes import strip_tag
 from elbowroom.server.parsed_json import ParsedJSONRoute
 from elbowroom.server.sse import ClientGone, gone_response, unless_client_leaves
 from elbowroom.server.token_inputs import cl100k_vocab, decode_cl100k, token_arrays
@@ -101,7 +102,7 @@ async def embeddings(request: Request, body: EmbeddingsRequest) -> JSONResponse:
     spec = resolve_model(
         services.catalog, body.model, ModelKind.EMBEDDING, EMBEDDING_ALIASES, "/v1/embeddings"
     )
-    if spec.id != (body.model or "").removesuffix(":latest"):  # an alias: cl100k ids
+    if spec.id != strip_tag(body.model or ""):  # an alias: cl100k ids
         payload = await decode_for_alias(payload)
     record_model(request, spec)
     keep_alive = parse_keep_alive(body.keep_alive)

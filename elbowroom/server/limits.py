@@ -49,7 +49,7 @@ from elbowroom.server.jsonscan import (
     inspect,
     min_tokens,
 )
-from elbowroom.server.ollama_shapes import is_ollama_path
+from elbowroom.server.ollama_shapes import is_ollama_path, strip_tag
 from elbowroom.server.parsed_json import PARSED_JSON
 from elbowroom.units import format_size
 
@@ -225,7 +225,7 @@ class BodyGate:
             return
         model = body.get("model") or self.settings.default_model
         if isinstance(model, str) and is_ollama_path(path):
-            model = model.removesuffix(":latest")  # Ollama's tag; the catalog has no tags
+            model = strip_tag(model)  # Ollama's tag; the catalog has no tags
         try:
             spec = services.catalog.get(model) if isinstance(model, str) else None
         except ModelNotFound:
