@@ -46,6 +46,14 @@ LONG_PROMPT = " ".join(
     f"The {i}th traveller said something about the weather and the harbour." for i in range(90)
 )
 
+# ~1,850 tokens of gemma3 (fits a 2,048-token slot): a sliding-window model's context checkpoint is
+# taken before a prompt's last micro-batch and holds the window plus what that batch
+# overlaps: the most it holds (window + n_ubatch cells, what the estimate budgets) comes
+# with prompts longer than the window + two micro-batches.
+WINDOW_PROMPT = " ".join(
+    f"The {i}th traveller said something about the weather and the harbour." for i in range(120)
+)
+
 
 def emit(out: Path, phase: str, row: dict[str, Any]) -> None:
     out.mkdir(parents=True, exist_ok=True)
@@ -312,6 +320,70 @@ def smaps_breakdown(pid: int) -> dict[str, Any]:
     return {"rollup": fields, "groups": dict(top[:25])}
 
 
+# Prompts for the other slots: each begins differently (the runner gives a request the free
+# slot sharing the longest beginning, else the least recently used one), so every slot
+# serves once and holds what a served slot holds (sampler arrays, context checkpoints).
+SLOT_WORDS = ("Apples", "Bridges", "Candles", "Dunes", "Engines", "Forests", "Glaciers")
+
+
+def _complete(url: str, model: str, prompt: str, tokens: int = 16) -> Any:
+    import httpx
+
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0}
+    return httpx.post(url + "/v1/completions", json=body, timeout=600)
+
+
+def serve_all_slots(url: str, model: str, slots: int, long: bool = False) -> list[int]:
+    """One request per other slot, all at once (the engine batches them): ~220 tokens, or
+    ~1,850 (``long``) for a sliding-window model, whose context checkpoint per slot grows
+    with the prompt up to its window and a micro-batch."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = WINDOW_PROMPT if long else PROMPT * 20
+    prompts = [f"{SLOT_WORDS[i % len(SLOT_WORDS)]} {i}. {body}" for i in range(slots - 1)]
+    with ThreadPoolExecutor(max(1, slots - 1)) as pool:
+        return [r.status_code for r in pool.map(lambda p: _complete(url, model, p, 8), prompts)]
+
+
+def windowed(path: Path) -> bool:
+    """Whether the model has sliding-window layers (context checkpoints per slot)."""
+    from elbowroom.models.estimate import swa_layers
+    from elbowroom.models.gguf_meta import read_gguf_info
+
+    return any(swa_layers(read_gguf_info(path)))
+
+
+def reading(url: str, model: str, before: list[int]) -> dict[str, Any]:
+    """A loaded runner as elbowroom and the kernel see it, with NVML's device memory in use
+    now minus ``before``: the prediction, anonymous / file-backed bytes, smaps by mapping."""
+    after = nvml_used()
+    row = next((x for x in ps_rows(url) if x["id"] == model), {})
+    smaps = smaps_breakdown(int(row["pid"])) if row.get("pid") else {}
+    placement = row.get("placement") or {}
+    return {
+        "ctx": row.get("n_ctx"),
+        "slots": row.get("slots"),
+        "processor": row.get("processor"),
+        "n_gpu_layers": placement.get("n_gpu_layers"),
+        "predicted_gpu": placement.get("gpu_bytes", {}),
+        "measured_gpu": {
+            f"gpu{i}": a - b for i, (a, b) in enumerate(zip(after, before, strict=False))
+        },
+        "nvml_runner": row.get("gpu"),
+        "predicted_host": row.get("predicted"),
+        "anonymous": row.get("anonymous"),
+        "file_backed": row.get("file_backed"),
+        "smaps": smaps,
+    }
+
+
+# The runner measured as it would be after real use, never after a shortcut: no disk tier
+# (a prefix restored from it skips the prompt's batches, and with them what the first
+# batched prompt allocates: cuBLAS on the GPU, issue 27c), no prompt cache (a grant beside
+# the footprint).
+FRESH_ENV = {"ELBOWROOM_KV_RAM_MAX": "0", "ELBOWROOM_KV_DISK_MAX": "0"}
+
+
 def host(
     out: Path,
     models: list[Path],
@@ -322,9 +394,8 @@ def host(
     prompt: str = LONG_PROMPT,
 ) -> None:
     """Host (and VRAM) bytes of runners on the CPU, partly and fully offloaded, beside the
-    prediction, with the runner's smaps grouped by mapping: what the CUDA build holds."""
-    import httpx
-
+    prediction, with the runner's smaps grouped by mapping: what the CUDA build holds.
+    Each runner serves a ~1,000-token prompt, then every other slot one request."""
     idle = nvml_used()
     modes = {"cpu": "0", "partial": str(partial), "gpu": "-1"}
     for mode in only:
@@ -332,57 +403,166 @@ def host(
         for ctx in ctxs:
             for slots in slots_list:
                 log = out / f"host_{mode}_{ctx}x{slots}.log"
-                # No prompt cache: the footprint alone (the cache is a grant beside it).
-                env = {"ELBOWROOM_GPU_LAYERS": layers, "ELBOWROOM_KV_RAM_MAX": "0"}
+                env = {"ELBOWROOM_GPU_LAYERS": layers, **FRESH_ENV}
                 args = ("--ctx", str(ctx), "--slots", str(slots))
                 server = Server(models, log, env, *args)
                 try:
                     for path in models:
                         before = settled(idle)
                         t = time.time()
-                        r = httpx.post(
-                            server.url + "/v1/completions",
-                            json={
-                                "model": path.stem,
-                                "prompt": prompt,
-                                "max_tokens": 16,
-                                "temperature": 0,
-                            },
-                            timeout=600,
-                        )
+                        swa = windowed(path)
+                        first = WINDOW_PROMPT if swa else prompt
+                        r = _complete(server.url, path.stem, first)
+                        others = serve_all_slots(server.url, path.stem, slots, swa)
                         seconds = time.time() - t
-                        after = nvml_used()
-                        row = next((x for x in ps_rows(server.url) if x["id"] == path.stem), {})
-                        smaps = smaps_breakdown(int(row["pid"])) if row.get("pid") else {}
-                        placement = row.get("placement") or {}
-                        emit(
-                            out,
-                            "host",
-                            {
-                                "model": path.stem,
-                                "mode": mode,
-                                "status": r.status_code,
-                                "ctx": row.get("n_ctx"),
-                                "slots": row.get("slots"),
-                                "processor": row.get("processor"),
-                                "n_gpu_layers": placement.get("n_gpu_layers"),
-                                "predicted_gpu": placement.get("gpu_bytes", {}),
-                                "measured_gpu": {
-                                    f"gpu{i}": a - b
-                                    for i, (a, b) in enumerate(zip(after, before, strict=False))
-                                },
-                                "nvml_runner": row.get("gpu"),
-                                "predicted_host": row.get("predicted"),
-                                "anonymous": row.get("anonymous"),
-                                "file_backed": row.get("file_backed"),
-                                "smaps": smaps,
-                                "seconds": round(seconds, 2),
-                                "error": None if r.status_code == 200 else r.text[:400],
-                            },
-                        )
+                        row = {"model": path.stem, "mode": mode, "status": r.status_code}
+                        row |= reading(server.url, path.stem, before)
+                        row |= {
+                            "seconds": round(seconds, 2),
+                            "prompt_tokens": (r.json().get("usage") or {}).get("prompt_tokens")
+                            if r.status_code == 200
+                            else None,
+                            "slot_status": others,
+                            "error": None if r.status_code == 200 else r.text[:400],
+                        }
+                        emit(out, "host", row)
+                        import httpx
+
                         httpx.post(f"{server.url}/api/models/{path.stem}/unload", timeout=60)
                 finally:
                     server.close()
+
+
+def phases(
+    out: Path,
+    models: list[Path],
+    ctx: int,
+    slots: int,
+    partial: int,
+    only: tuple[str, ...] = ("cpu", "partial", "gpu"),
+) -> None:
+    """What a runner holds at each step of its use (issue 27c): right after load, after a
+    4-token prompt, after a ~1,000-token prompt, after every slot served; on the CPU, partly
+    and fully offloaded. Then, on the GPU with the disk tier on, the same prompt again after
+    a reload (restored from disk): whether a restored prefix skips what a batch allocates."""
+    import httpx
+
+    idle = nvml_used()
+    modes = {"cpu": "0", "partial": str(partial), "gpu": "-1"}
+    for mode in only:
+        layers = modes[mode]
+        env = {"ELBOWROOM_GPU_LAYERS": layers, **FRESH_ENV}
+        args = ("--ctx", str(ctx), "--slots", str(slots))
+        server = Server(models, out / f"phases_{mode}.log", env, *args)
+        try:
+            for path in models:
+                name = path.stem
+                before = settled(idle)
+                url = server.url
+                for stage in ("load", "short", "long", "slots"):
+                    if stage == "load":
+                        httpx.post(f"{url}/api/models/{name}/load", json={}, timeout=600)
+                    elif stage == "short":
+                        _complete(url, name, "Hello there", 8)
+                    elif stage == "long":
+                        _complete(url, name, LONG_PROMPT)
+                    else:
+                        serve_all_slots(url, name, slots, windowed(path))
+                    row = {"model": name, "mode": mode, "stage": stage}
+                    emit(out, "phases", row | reading(url, name, before))
+                httpx.post(f"{server.url}/api/models/{name}/unload", timeout=60)
+        finally:
+            server.close()
+    if "gpu" not in only:
+        return
+    # The disk tier on (its own cache dir): load, long prompt, unload, load, the same prompt.
+    cache = tempfile.mkdtemp(prefix="elbowroom-kv-")
+    env = {
+        "ELBOWROOM_GPU_LAYERS": "-1",
+        "ELBOWROOM_KV_RAM_MAX": "0",
+        "ELBOWROOM_KV_CACHE_DIR": cache,
+    }
+    server = Server(
+        models, out / "phases_restore.log", env, "--ctx", str(ctx), "--slots", str(slots)
+    )
+    try:
+        for path in models:
+            name = path.stem
+            for stage in ("first", "restored"):
+                before = settled(idle)
+                r = _complete(server.url, name, LONG_PROMPT)
+                usage = r.json().get("usage", {}) if r.status_code == 200 else {}
+                row = {"model": name, "mode": "gpu", "stage": stage, "usage": usage}
+                emit(out, "phases", row | reading(server.url, name, before))
+                httpx.post(f"{server.url}/api/models/{name}/unload", timeout=60)
+    finally:
+        server.close()
+
+
+def _self_memory() -> dict[str, float]:
+    fields = {
+        ln.split(":")[0]: int(ln.split()[1]) / 1024
+        for ln in Path("/proc/self/smaps_rollup").read_text().splitlines()[1:]
+        if ln.strip().endswith("kB")
+    }
+    return {"anon_mib": fields["Anonymous"], "file_mib": fields["Rss"] - fields["Anonymous"]}
+
+
+def cublas_probe(out: Path) -> None:
+    """What cuBLAS alone costs, in a fresh process with the engine's libraries loaded
+    (issue 27c): NVML device memory and this process's anonymous / file-backed bytes after
+    the CUDA context, after cublasCreate, after the first f16 GEMM (llama.cpp's path for a
+    batched prompt on f16 weights; quantized weights take its own MMQ kernels instead)."""
+    import ctypes
+
+    import xllamacpp  # noqa: F401  (maps libcudart / libcublas as the runner does)
+
+    idle = nvml_used()
+    cudart = ctypes.CDLL("libcudart.so.13")
+    cublas = ctypes.CDLL("libcublas.so.13")
+
+    def note(stage: str) -> None:
+        used = nvml_used()
+        vram = (used[0] - idle[0]) / 2**20 if used and idle else 0.0
+        emit(out, "cublas", {"stage": stage, "vram_mib": round(vram, 1), **_self_memory()})
+
+    note("libraries")
+    assert cudart.cudaFree(None) == 0
+    note("context")
+    m, n, k = 2048, 512, 2048  # one 2,048 × 2,048 f16 weight times a 512-token batch
+    ptrs = [ctypes.c_void_p() for _ in range(3)]
+    for ptr, size in zip(ptrs, (m * k * 2, k * n * 2, m * n * 4), strict=True):
+        assert cudart.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(size)) == 0
+    note("buffers")
+    handle = ctypes.c_void_p()
+    assert cublas.cublasCreate_v2(ctypes.byref(handle)) == 0
+    note("cublasCreate")
+    alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+    for stage in ("gemm", "gemm_again"):
+        rc = cublas.cublasGemmEx(
+            handle,
+            1,
+            0,
+            m,
+            n,
+            k,
+            ctypes.byref(alpha),
+            ptrs[0],
+            2,
+            k,
+            ptrs[1],
+            2,
+            k,
+            ctypes.byref(beta),
+            ptrs[2],
+            0,
+            m,
+            68,
+            -1,
+        )  # A^T (f16) × B (f16) → C (f32), compute 32F, default algorithm
+        assert rc == 0, rc
+        assert cudart.cudaDeviceSynchronize() == 0
+        note(stage)
 
 
 def report(out: Path, headers: Path) -> list[dict[str, Any]]:
@@ -942,6 +1122,9 @@ def main() -> None:
     if a.phase == "synth":
         synth(Path(a.rest[0]), a.tiny)
         return
+    if a.phase == "cublas":
+        cublas_probe(Path(a.rest[0]))
+        return
     if a.phase == "report":
         report(Path(a.rest[0]), Path(a.rest[1]))
         return
@@ -952,6 +1135,8 @@ def main() -> None:
     elif a.phase == "host":
         prompt = PROMPT * 20 if a.short else LONG_PROMPT
         host(out, models, a.ctx, a.slots, a.partial, tuple(a.modes.split(",")), prompt)
+    elif a.phase == "phases":
+        phases(out, models, a.ctx[0], a.slots[0], a.partial, tuple(a.modes.split(",")))
     elif a.phase == "speed":
         speed(out, models[0], a.rounds, a.tokens)
     elif a.phase == "guard":
