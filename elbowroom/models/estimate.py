@@ -13,6 +13,7 @@ LLMs (llama.cpp's server engine, xllamacpp, CPU, mmap):
                   cells = n_ctx per slot (padded to 256); a sliding-window layer holds
                   min(n_ctx, pad256(window + n_ubatch)) (llama.cpp's iswa cache)
     working     = compute + slots × (SLOT_PER_VOCAB × n_vocab + checkpoints)
+    checkpoints = CTX_CHECKPOINTS × the window's cells × sliding-window KV per cell
     compute     = n_ubatch × 4 × (3 × n_ff + 5 × n_embd [+ MoE router and outputs])
                   + n_ubatch × 2 × KV cells (the attention masks, f16)
 
@@ -62,8 +63,10 @@ N_UBATCH = 512  # llama.cpp's default micro-batch: sizes the compute buffer
 KV_PAD = 256  # llama.cpp pads KV caches (with flash attention) to multiples of this
 # Context checkpoints per slot (llama.cpp's n_ctx_checkpoints): a sliding-window model
 # (gemma3) snapshots its window state near the end of each prompt, so the next turn of a
-# conversation can reuse the cache. Each is the whole window (15 MiB for gemma3-270m);
-# llama.cpp's default of 32 would let a slot grow by ~0.5 GiB. One is enough for a
+# conversation can reuse the cache. Each holds the window's cells, not the cache's room
+# for a micro-batch beyond it (gemma3-270m: 512 cells, 7.5 MiB; issue 27c measured 10.5
+# to 14 MiB per served slot with the sampler's arrays, after ~1,400-1,800-token prompts);
+# llama.cpp's default of 32 would let a slot grow by ~0.25 GiB. One is enough for a
 # conversation that grows turn by turn, or a regenerated answer.
 CTX_CHECKPOINTS = 1
 
@@ -273,8 +276,14 @@ def slot_bytes(info: GGUFInfo, n_ctx: int, kv_type: str) -> int:
     """What one slot holds once it has served: sampling state and context checkpoints."""
     vocab = info.n_vocab or DEFAULT_VOCAB
     _full_cell, swa_cell = _kv_per_cell(info, kv_type)
-    swa = _cells(info, n_ctx)[1]
-    return SLOT_PER_VOCAB * vocab + CTX_CHECKPOINTS * swa * swa_cell
+    return SLOT_PER_VOCAB * vocab + CTX_CHECKPOINTS * checkpoint_cells(info, n_ctx) * swa_cell
+
+
+def checkpoint_cells(info: GGUFInfo, n_ctx: int) -> int:
+    """Cells of a sliding-window layer in one context checkpoint: the window (the cache
+    prunes what falls out of it), or the whole context when that is shorter."""
+    window = info.sliding_window or SWA_DEFAULT_WINDOW.get(info.architecture) or 0
+    return min(_cells(info, n_ctx)[0], window) if any(swa_layers(info)) else 0
 
 
 def _llm_footprint(

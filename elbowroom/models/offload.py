@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from elbowroom.models.estimate import (
+    CTX_CHECKPOINTS,
     DEFAULT_VOCAB,
     KV_PAD,
     LLAMA_FIXED_ANON,
@@ -41,6 +42,7 @@ from elbowroom.models.estimate import (
     LLAMA_RUNTIME_ANON,
     LLAMA_RUNTIME_FILE,
     LOGIT_BYTES,
+    SLOT_PER_VOCAB,
     SWA_DEFAULT_WINDOW,
     check_kv_type,
     swa_layers,
@@ -50,9 +52,33 @@ from elbowroom.units import MiB
 
 # The engine's micro-batch (engines.llama.N_BATCH; a test keeps them equal).
 UBATCH = 512
-# Per GPU in use: CUDA context, cuBLAS workspace and handles, CUDA graphs (591 MiB fitted;
-# ~104 MiB of it appears only at the first generation, so it is measured after one).
-CUDA_DEVICE_BASE = 591 * MiB
+# Per GPU in use: the CUDA context, llama.cpp's buffers and pools, CUDA graphs (591 MiB
+# fitted on the H200 with f16 models, after one generation), less the cuBLAS step below.
+CUDA_DEVICE_BASE = 487 * MiB
+# cuBLAS, on a runner whose matrix multiplications need it: llama.cpp multiplies f16 / bf16
+# / f32 weights (and types without its own kernels) by a batch of tokens with cuBLAS, and
+# creates the handle at the first batched prompt. Quantized weights use its MMQ kernels
+# and never load it (issue 27c, H100: an f16 runner's VRAM stepped by 104 MiB, its host
+# memory by 115-135 MiB anonymous and 14 MiB of cuBLASLt's pages at its first ~1,000-token
+# prompt; no quantized runner's did. cublasCreate alone took 68 MiB of VRAM, the first
+# GEMM 51 MiB anonymous: the step is cuBLAS). A prefix restored from the disk tier skips
+# the batches and the step until the next new prompt: the prediction keeps the step.
+CUBLAS_VRAM = 104 * MiB
+# Quantized runners instead grow llama.cpp's memory pool with the first batched prompts
+# (MMQ's and flash attention's temporaries, op offload's copies): +14-49 MiB over the
+# quantized models measured wholly or partly offloaded (issue 27c), budgeted at the most.
+MMQ_POOL = 56 * MiB
+# The weight types llama.cpp's CUDA backend multiplies with its own MMQ kernels (mmq.cu,
+# ggml_cuda_should_use_mmq on Turing and newer); any other matrix type on a GPU means cuBLAS.
+MMQ_TYPES = frozenset(
+    {
+        "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+        "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ4_XS", "IQ4_NL",
+    }
+)  # fmt: skip
+# Head sizes llama.cpp's CUDA flash attention runs; with another, "auto" turns it off and
+# the attention's KQ product goes through cuBLAS.
+FLASH_ATTN_HEAD_DIMS = frozenset({64, 80, 96, 112, 128, 256})
 # On the output layer's GPU: 96 MiB more on the H200 machine, where the fit took it for a
 # logits buffer of 4 × ubatch × n_vocab (every model there had 49,152 tokens). On an H100
 # (issue 27) a 262,144-token vocabulary (gemma3) added no more than a 49,152-token one
@@ -60,9 +86,19 @@ CUDA_DEVICE_BASE = 591 * MiB
 OUTPUT_DEVICE_EXTRA = 96 * MiB
 ACTIVATION_BYTES = 16  # × ubatch × (n_ff + n_embd)
 MASK_BYTES = 2  # f16 KQ mask: × ubatch × context per slot
-# Host side of a CUDA runner: the CUDA libraries' mapped pages and their host allocations.
-CUDA_RUNTIME_FILE = 216 * MiB
-CUDA_HOST_ANON = 240 * MiB
+# Host side of a CUDA runner: the CUDA libraries' mapped pages and their host allocations
+# (the driver's state, pinned staging buffers), without cuBLAS's. Fitted on the quantized
+# runners of issue 27c (H100; qwen2 0.5 B q8_0, llama 1 B q4_K_M, SmolLM2, gemma3; wholly
+# and partly offloaded, 4,096 x 4, measured after a ~1,000-token prompt and every slot
+# served): anonymous 73-83 MiB and file-backed 32-50 MiB under the H200's earlier
+# 240 / 216 MiB, which had been fitted on f16 runners, cuBLAS included.
+CUDA_RUNTIME_FILE = 186 * MiB
+CUDA_HOST_ANON = 168 * MiB
+# cuBLAS's host side once it has run (see CUBLAS_VRAM): its kernels' images and state
+# (f16 runners of the same run: 102-133 MiB anonymous over CUDA_HOST_ANON's runners), and
+# the cuBLASLt pages its first GEMMs touch (61 -> 73-75 MiB resident).
+CUBLAS_HOST_ANON = 136 * MiB
+CUBLAS_HOST_FILE = 14 * MiB
 # Compute buffers per GPU of a split. llama.cpp can keep up to 4 copies for pipeline
 # parallelism; splits measured on two H200s showed one (benchmarks/results/gpu.md).
 PIPELINE_COPIES = 1
@@ -89,6 +125,8 @@ class Layout:
     # Sliding-window blocks (gemma3: 5 of every 6) keep only ``window_cells`` per slot.
     swa: tuple[bool, ...] = ()
     window: int = 0
+    # Whether the runner loads cuBLAS (``needs_cublas``); assumed when not known.
+    cublas: bool = True
 
     def cells(self, block: int, n_ctx: int) -> int:
         """KV cells per slot of ``block`` at ``n_ctx`` per slot (as the CPU estimate)."""
@@ -116,12 +154,23 @@ class Layout:
             output_file=_own_output(info),
             swa=swa_layers(info),
             window=info.sliding_window or SWA_DEFAULT_WINDOW.get(info.architecture) or 0,
+            cublas=needs_cublas(info),
         )
 
     @property
     def units(self) -> int:
         """Offloadable units: the blocks and the output layer."""
         return self.n_layers + 1
+
+
+def needs_cublas(info: GGUFInfo) -> bool:
+    """Whether llama.cpp's CUDA backend multiplies some of this model's matrices with cuBLAS:
+    a matrix type it has no MMQ kernel for (f16, bf16, f32, ...), or a head size its flash
+    attention does not run. Unknown types (no tensor list) count as needing it."""
+    kinds = {kind for kind, _ in info.matmul_bytes}
+    if not kinds or not kinds <= MMQ_TYPES:
+        return True
+    return not {info.head_dim_k, info.head_dim_v} <= FLASH_ATTN_HEAD_DIMS
 
 
 def _own_output(info: GGUFInfo) -> int:
@@ -207,6 +256,7 @@ def split_bytes(
         if i == out_dev:
             compute += OUTPUT_DEVICE_EXTRA
         gpu[i] += CUDA_DEVICE_BASE + compute * copies
+        gpu[i] += CUBLAS_VRAM if layout.cublas else MMQ_POOL
     if len(used) > 1:
         gpu[used[0]] += SPLIT_FIRST_EXTRA
     if used and out_dev is not None and where[0] is None:
@@ -218,6 +268,14 @@ def split_bytes(
     # the CPU estimate's runtime (interpreter, runner, xllamacpp) and engine state
     fixed = LLAMA_RUNTIME_ANON + LLAMA_FIXED_ANON
     anonymous = fixed + LLAMA_PER_VOCAB * vocab + slots * vocab * LOGIT_BYTES + cpu_kv
+    # what each slot holds on the host once it has served (estimate.slot_bytes): the
+    # sampler's arrays and, for a sliding-window model, its context checkpoint
+    window_state = sum(
+        kv_per_block[b] * min(-(-n_ctx // KV_PAD) * KV_PAD, layout.window)
+        for b in range(layout.n_layers)
+        if layout.swa and layout.swa[b]
+    )
+    anonymous += slots * (SLOT_PER_VOCAB * vocab + CTX_CHECKPOINTS * window_state)
     file_backed = cpu_weights + LLAMA_RUNTIME_FILE
     if on_gpu and where[0] is None and out_dev is not None:
         # Blocks on the CPU, the output layer on the GPU: its mapped pages were read for the
@@ -227,6 +285,9 @@ def split_bytes(
     if on_gpu:
         anonymous += CUDA_HOST_ANON
         file_backed += CUDA_RUNTIME_FILE
+        if layout.cublas:
+            anonymous += CUBLAS_HOST_ANON
+            file_backed += CUBLAS_HOST_FILE
     return OffloadBytes(
         gpu=tuple(gpu),
         host_anonymous=anonymous,

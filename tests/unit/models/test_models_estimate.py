@@ -164,9 +164,12 @@ def test_bundled_models_at_load(
 
 def test_slots_add_sampling_state_and_sliding_window_checkpoints() -> None:
     assert est.slot_bytes(SMOL, 4096, "f16") == 49152 * est.SLOT_PER_VOCAB
-    # gemma3: one checkpoint of the 15 windowed layers × 1024 cells × 1 KiB = 15 MiB
-    checkpoint = est.CTX_CHECKPOINTS * 15 * MiB
+    # gemma3: one checkpoint of the 15 windowed layers × the window's 512 cells × 1 KiB
+    # (issue 27c: not the cache's 1,024, which leaves room for a micro-batch beyond it)
+    checkpoint = est.CTX_CHECKPOINTS * 15 * 512 * 1024
     assert est.slot_bytes(GEMMA, 4096, "f16") == 262144 * est.SLOT_PER_VOCAB + checkpoint
+    # a context shorter than the window checkpoints all of it (padded as the cache is)
+    assert est.checkpoint_cells(GEMMA, 200) == 256 and est.checkpoint_cells(SMOL, 4096) == 0
 
 
 def test_quantized_kv_is_smaller() -> None:
