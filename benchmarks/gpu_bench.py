@@ -6,6 +6,8 @@ requests, a forced offload refused with 507, and (two GPUs) a split measured per
     python benchmarks/gpu_bench.py vram   OUT MODEL... [--ctx 2048 8192] [--slots 1 8]
     python benchmarks/gpu_bench.py host   OUT MODEL... [--ctx ...] [--slots ...] [--partial 9]
     python benchmarks/gpu_bench.py report OUT HEADERS_DIR   # host.jsonl against this code
+    python benchmarks/gpu_bench.py phases OUT MODEL... [--ctx 4096] [--slots 4] [--modes ...]
+    python benchmarks/gpu_bench.py cublas OUT                # cuBLAS's own VRAM and host bytes
     python benchmarks/gpu_bench.py speed  OUT MODEL [--rounds 12] [--tokens 128]
     python benchmarks/gpu_bench.py guard  OUT MODEL                # a neighbour takes VRAM
     python benchmarks/gpu_bench.py capped OUT --cap 16GiB MODEL...
