@@ -59,38 +59,3 @@ class Engine(Protocol):
         """Release the model. ``process_exit``: the runner process exits right after this
         call (the worker's close), so what the kernel reclaims at exit may be left to it."""
         ...
-
-
-def create_engine(name: str, pressure: PressureLevel = lambda: 0) -> Engine:
-    """Import lazily: a runner imports only its own library. ``pressure`` reads the
-    runner's current memory pressure level (the LLM engine refuses and aborts generations
-    on hard pressure)."""
-    if name == "llama":
-        from elbowroom.engines.llama import LlamaEngine
-
-        return LlamaEngine(pressure)
-    if name == "llama-rpc":  # a model split over nodes (docs/cluster.md)
-        from elbowroom.engines.llama_rpc import RpcLlamaEngine
-
-        return RpcLlamaEngine(pressure)
-    if name == "mlx":  # MLX models (docs/mlx.md): the mlx extra
-        from elbowroom.engines.mlx import MlxEngine
-
-        return MlxEngine(pressure)
-    if name == "whisper":
-        from elbowroom.engines.whisper import WhisperEngine
-
-        return WhisperEngine()
-    if name == "pocketsphinx":
-        from elbowroom.engines.sphinx import SphinxEngine
-
-        return SphinxEngine()
-    if name == "piper":
-        from elbowroom.engines.piper import PiperEngine
-
-        return PiperEngine()
-    if name == "onnx-embed":
-        from elbowroom.engines.embed import OnnxEmbedEngine
-
-        return OnnxEmbedEngine()
-    raise ValueError(f"unknown engine {name!r}")

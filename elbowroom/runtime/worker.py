@@ -28,8 +28,9 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
-from elbowroom.engines.base import Engine, create_engine
+from elbowroom.engines.base import Engine
 from elbowroom.engines.options import EngineOptions
+from elbowroom.engines.registry import create_engine
 from elbowroom.engines.requests import Payload
 from elbowroom.errors import ElbowroomError, EngineError
 from elbowroom.models.spec import ModelSpec
