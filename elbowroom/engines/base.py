@@ -41,6 +41,10 @@ PressureLevel = Callable[[], int]  # 0 normal, 1 soft, 2 hard (memory.types.Pres
 
 
 class Engine(Protocol):
+    # Requests the worker runs at once, each on its own thread (1: one at a time; the LLM
+    # engine: its slots). Read after ``load``.
+    max_concurrent: int
+
     def load(self, spec: ModelSpec, options: EngineOptions) -> dict[str, Any]:
         """Load the model with the options of the engine's kind (engines/options.py).
         Returns facts about the load (e.g. {"n_ctx": 4096}) that the supervisor reports."""
@@ -53,6 +57,12 @@ class Engine(Protocol):
 
     def stats(self) -> dict[str, Any]:
         """Engine-specific stats for /api/ps (e.g. KV cache tiers). May be {}."""
+        ...
+
+    def relieve(self, level: int) -> None:
+        """Memory pressure rose to ``level`` (1 soft, 2 hard): give back what can go without
+        stopping a request (caches, idle state). Called off the worker's reader thread. May
+        do nothing."""
         ...
 
     def close(self, *, process_exit: bool = False) -> None:
