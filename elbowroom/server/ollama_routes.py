@@ -35,7 +35,7 @@ from elbowroom.server.metrics import record_model, record_tokens
 from elbowroom.server.model_calls import run_once
 from elbowroom.server.ollama_reply import NdjsonStream, Reply, Timing, stream_reply
 from elbowroom.server.parsed_json import ParsedJSONRoute
-from elbowroom.server.schemas import ChatCompletionRequest, CompletionRequest
+from elbowroom.server.schemas import ChatCompletionRequest, CompletionRequest, refuse_absurd
 from elbowroom.server.sse import ClientGone, gone_response, open_generation, unless_client_leaves
 from elbowroom.server.text_calls import engine_request, whole_answer
 
@@ -276,6 +276,7 @@ async def _text(
 ) -> Response:
     openai["model"] = spec.id
     validated = _validated(kind, openai)
+    refuse_absurd(validated.max_tokens, "num_predict", services.settings.max_tokens_cap)
     messages = None
     if isinstance(validated, ChatCompletionRequest):
         await check_chat_images(services, validated)  # vision: before any load or engine work
