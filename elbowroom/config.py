@@ -353,7 +353,7 @@ def _validate(s: Settings) -> None:
         raise ConfigError("responses_ttl must be > 0 seconds and responses_max >= 0 bytes")
     if s.cluster_poll <= 0:
         raise ConfigError(f"cluster_poll must be > 0 seconds, not {s.cluster_poll}")
-    from elbowroom.cluster.rpc import RpcBindError, check_rpc_bind
+    from elbowroom.rpc_bind import RpcBindError, check_rpc_bind
 
     try:
         check_rpc_bind(s.rpc_host)
