@@ -168,7 +168,7 @@ class Settings:
     # --- KV prefix cache
     kv_cache: bool = True
     kv_cache_dir: Path | None = None  # default: cache dir / "kv"
-    kv_ram_max: int = _size(default=512 * 1024**2)
+    kv_ram_max: int = _size(default=512 * 1024**2)  # per runner, fixed at load (MLX: shrinks)
     kv_disk_max: int = _size(default=4 * 1024**3)
     kv_block_tokens: int = 64
     # --- stored responses of /v1/responses (docs/api.md#responses): data dir / "responses"
@@ -353,7 +353,7 @@ def _validate(s: Settings) -> None:
         raise ConfigError("responses_ttl must be > 0 seconds and responses_max >= 0 bytes")
     if s.cluster_poll <= 0:
         raise ConfigError(f"cluster_poll must be > 0 seconds, not {s.cluster_poll}")
-    from elbowroom.cluster.rpc import RpcBindError, check_rpc_bind
+    from elbowroom.rpc_bind import RpcBindError, check_rpc_bind
 
     try:
         check_rpc_bind(s.rpc_host)

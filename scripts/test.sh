@@ -20,4 +20,5 @@ fi
 .venv/bin/ruff check elbowroom tests benchmarks
 .venv/bin/ruff format --check elbowroom tests benchmarks
 .venv/bin/mypy
-.venv/bin/pytest -q -p no:cacheprovider "$@"
+# -rs: every skip prints its reason (a broken install must not hide as a skip)
+.venv/bin/pytest -q -rs -p no:cacheprovider "$@"

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from elbowroom.cluster.relay import END
-from elbowroom.cluster.rpc import RpcBindError, rpc_server_args
+from elbowroom.cluster.rpc import rpc_server_args
 from elbowroom.config import Settings
 from elbowroom.engines.options import EngineOptions
 from elbowroom.engines.requests import Payload
@@ -40,6 +40,7 @@ from elbowroom.memory.probe import default_probe
 from elbowroom.memory.process import measure_pid
 from elbowroom.memory.types import ZERO_PROCESS_MEMORY, ProcessMemory, Snapshot
 from elbowroom.models.spec import ModelSpec
+from elbowroom.rpc_bind import RpcBindError
 from elbowroom.runtime.protocol import Runner
 from elbowroom.runtime.supervisor import Supervisor, WorkerTarget, spawn_worker
 from elbowroom.runtime.worker import worker_main

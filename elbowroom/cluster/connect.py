@@ -27,7 +27,6 @@ from elbowroom.scheduler.events import EventLog
 if TYPE_CHECKING:
     from elbowroom.guard.guard import PressureGuard
     from elbowroom.memory.monitor import Monitor
-    from elbowroom.server.deps import Services
 
 log = logging.getLogger("elbowroom.cluster")
 
@@ -277,22 +276,23 @@ class ClusterServices:
                     log.exception("cluster membership check failed")
 
 
-async def start_cluster(settings: Settings, catalog: Any, measured: Any) -> Services:
-    """The server's services over a Ray cluster (``server.app.start_services``)."""
+async def start_cluster(
+    settings: Settings, catalog: Any, measured: Any
+) -> tuple[ClusterScheduler, Monitor, PressureGuard]:
+    """The scheduler (the router), monitor and guard of a Ray cluster, which the server
+    builds its services from (``server.app.start_services``, which also loads the pins)."""
     from elbowroom.cluster.views import ClusterGuard, ClusterMonitor
-    from elbowroom.server.app import load_pinned
-    from elbowroom.server.deps import Services
 
     cluster = ClusterServices(settings, catalog, measured)
     try:
         router = await cluster.build()
-        # The views have the monitor's and the guard's surface the server reads (duck
-        # types over every node's own monitor and guard), not their classes.
-        monitor = cast("Monitor", ClusterMonitor(router))
-        guard = cast("PressureGuard", ClusterGuard(router))
-        services = Services(settings, catalog, router, monitor=monitor, guard=guard)
-        await load_pinned(router.load, settings.pin)
     except BaseException:
         await cluster.close()
         raise
-    return services
+    # The views have the monitor's and the guard's surface the server reads (duck types
+    # over every node's own monitor and guard), not their classes.
+    return (
+        router,
+        cast("Monitor", ClusterMonitor(router)),
+        cast("PressureGuard", ClusterGuard(router)),
+    )

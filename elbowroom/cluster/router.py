@@ -74,7 +74,6 @@ class ClusterScheduler:
         self._place_lock = asyncio.Lock()
         self._splits: dict[str, RunningSplit] = {}  # models split over several nodes
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.loads_paused = False
         # Set by connect.ClusterServices: closing the router ends monitors, guards, agents.
         self.closer: Callable[[], Awaitable[None]] | None = None
 
@@ -98,6 +97,14 @@ class ClusterScheduler:
 
     def live(self) -> list[NodeEntry]:
         return [e for e in self.nodes.values() if e.node.alive]
+
+    @property
+    def loads_paused(self) -> bool:
+        """Whether no live node takes a new load: each has its loads paused by its own
+        pressure guard (while one node takes loads, the next load goes there). The one
+        answer that ``/api/memory`` and ``/api/guard`` give on a cluster."""
+        live = self.live()
+        return bool(live) and all(e.scheduler.loads_paused for e in live)
 
     @property
     def counters(self) -> Counter[str]:
@@ -519,7 +526,7 @@ class ClusterScheduler:
             pressure=pressure["level"],
             cluster_pressure=pressure,
             totals=totals,
-            loads_paused=any(e.scheduler.loads_paused for e in self.live()),
+            loads_paused=self.loads_paused,
             nodes=nodes,
         )
         return out

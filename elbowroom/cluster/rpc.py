@@ -1,46 +1,13 @@
-"""PURE: where llama.cpp RPC servers may listen, and the command lines of a split.
-
-llama.cpp's RPC protocol has no authentication and no encryption (CVE-2026-34159: a peer
-that reaches the port can read and write the server's memory). An RPC server therefore
-binds to loopback or a private interface only; anything else (0.0.0.0, a public address,
-a host name) is refused with what to do instead: a private network or an SSH/WireGuard
-tunnel (docs/cluster.md).
-"""
+"""PURE: the command line of a node's llama.cpp RPC server, on an address that
+``rpc_bind.check_rpc_bind`` allows (loopback or private only: docs/cluster.md)."""
 
 from __future__ import annotations
 
-import ipaddress
 from pathlib import Path
 
-__all__ = ["RpcBindError", "check_rpc_bind", "rpc_server_args"]
+from elbowroom.rpc_bind import check_rpc_bind
 
-
-class RpcBindError(ValueError):
-    pass
-
-
-def check_rpc_bind(host: str) -> str:
-    """``host`` when it is a loopback or private address; else RpcBindError naming the fix."""
-    try:
-        addr = ipaddress.ip_address(host)
-    except ValueError:
-        raise RpcBindError(
-            f"RPC bind address {host!r} is not an IP address; give the node's loopback or "
-            "private address (host names could resolve to a public one)"
-        ) from None
-    if addr.is_unspecified:
-        raise RpcBindError(
-            f"refusing to bind a llama.cpp RPC server to {host} (every interface): the RPC "
-            "protocol is unauthenticated (CVE-2026-34159); bind to a private address or "
-            "127.0.0.1 and tunnel (docs/cluster.md)"
-        )
-    if not (addr.is_loopback or (addr.is_private and not addr.is_link_local)):
-        raise RpcBindError(
-            f"refusing to bind a llama.cpp RPC server to public address {host}: the RPC "
-            "protocol is unauthenticated (CVE-2026-34159); use a private network or an "
-            "SSH/WireGuard tunnel (docs/cluster.md)"
-        )
-    return host
+__all__ = ["rpc_server_args"]
 
 
 def rpc_server_args(binary: Path, host: str, port: int, threads: int | None = None) -> list[str]:

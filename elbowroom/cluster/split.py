@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from elbowroom.engines.options import tensor_split_arg
 from elbowroom.units import format_size
 
 __all__ = [
@@ -20,7 +21,6 @@ __all__ = [
     "check_fits",
     "split_layers",
     "tensor_split",
-    "tensor_split_arg",
 ]
 
 
@@ -88,18 +88,6 @@ def tensor_split(split: LayerSplit, device_order: Sequence[str]) -> str:
     missing = [n for n in split.layers if n not in device_order]
     if missing:
         raise SplitError(f"no device for node(s) {', '.join(missing)}")
-    return tensor_split_arg([split.layers.get(d, 0) for d in device_order])
-
-
-def tensor_split_arg(layers: Sequence[int]) -> str:
-    """``--tensor-split`` for whole repeating layers per device, in device order.
-
-    llama.cpp splits ``n_layer + 1`` units by cumulative proportion (layer ``i`` goes to the
-    first device whose cumulative share exceeds ``i / (n_layer + 1)``), the last unit being
-    the output layer. Giving the last device one unit more puts exactly ``layers[k]``
-    repeating layers on device ``k`` and the output layer on the last (checked against
-    llama.cpp's own per-layer assignment in tests/e2e/test_split_engine.py)."""
-    if not layers:
+    if not device_order:
         raise SplitError("no device to split over")
-    units = [*layers[:-1], layers[-1] + 1]
-    return ",".join(str(n) for n in units)
+    return tensor_split_arg([split.layers.get(d, 0) for d in device_order])

@@ -58,8 +58,7 @@ class ClusterGuard:
 
     @property
     def loads_paused(self) -> bool:
-        guards = self._guards()
-        return bool(guards) and all(g.loads_paused for g in guards)
+        return self._router.loads_paused  # the router's answer (docs/cluster.md)
 
     def admission_open(self) -> bool:
         guards = self._guards()

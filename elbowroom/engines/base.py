@@ -41,6 +41,10 @@ PressureLevel = Callable[[], int]  # 0 normal, 1 soft, 2 hard (memory.types.Pres
 
 
 class Engine(Protocol):
+    # Requests the worker runs at once, each on its own thread (1: one at a time; the LLM
+    # engine: its slots). Read after ``load``.
+    max_concurrent: int
+
     def load(self, spec: ModelSpec, options: EngineOptions) -> dict[str, Any]:
         """Load the model with the options of the engine's kind (engines/options.py).
         Returns facts about the load (e.g. {"n_ctx": 4096}) that the supervisor reports."""
@@ -55,42 +59,13 @@ class Engine(Protocol):
         """Engine-specific stats for /api/ps (e.g. KV cache tiers). May be {}."""
         ...
 
+    def relieve(self, level: int) -> None:
+        """Memory pressure rose to ``level`` (1 soft, 2 hard): give back what can go without
+        stopping a request (caches, idle state). Called off the worker's reader thread. May
+        do nothing."""
+        ...
+
     def close(self, *, process_exit: bool = False) -> None:
         """Release the model. ``process_exit``: the runner process exits right after this
         call (the worker's close), so what the kernel reclaims at exit may be left to it."""
         ...
-
-
-def create_engine(name: str, pressure: PressureLevel = lambda: 0) -> Engine:
-    """Import lazily: a runner imports only its own library. ``pressure`` reads the
-    runner's current memory pressure level (the LLM engine refuses and aborts generations
-    on hard pressure)."""
-    if name == "llama":
-        from elbowroom.engines.llama import LlamaEngine
-
-        return LlamaEngine(pressure)
-    if name == "llama-rpc":  # a model split over nodes (docs/cluster.md)
-        from elbowroom.engines.llama_rpc import RpcLlamaEngine
-
-        return RpcLlamaEngine(pressure)
-    if name == "mlx":  # MLX models (docs/mlx.md): the mlx extra
-        from elbowroom.engines.mlx import MlxEngine
-
-        return MlxEngine(pressure)
-    if name == "whisper":
-        from elbowroom.engines.whisper import WhisperEngine
-
-        return WhisperEngine()
-    if name == "pocketsphinx":
-        from elbowroom.engines.sphinx import SphinxEngine
-
-        return SphinxEngine()
-    if name == "piper":
-        from elbowroom.engines.piper import PiperEngine
-
-        return PiperEngine()
-    if name == "onnx-embed":
-        from elbowroom.engines.embed import OnnxEmbedEngine
-
-        return OnnxEmbedEngine()
-    raise ValueError(f"unknown engine {name!r}")

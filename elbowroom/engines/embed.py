@@ -62,6 +62,8 @@ def normalize(vectors: np.ndarray) -> np.ndarray:
 
 
 class OnnxEmbedEngine:
+    max_concurrent = 1
+
     def __init__(self) -> None:
         self._session: Any = None
         self._tokenizer: Any = None
@@ -171,6 +173,9 @@ class OnnxEmbedEngine:
 
     def stats(self) -> dict[str, Any]:
         return {"requests": self._requests, "tokens": self._tokens}
+
+    def relieve(self, level: int) -> None:
+        """Nothing to give back: the model is all this engine holds."""
 
     def close(self, *, process_exit: bool = False) -> None:
         self._session = None

@@ -235,10 +235,13 @@ class LlamaEngine:
         return out
 
     def relieve(self, level: int) -> None:
-        """Pressure rose to ``level``: save the idle slots' states to the disk tier, so that
-        the unload that soft pressure may bring next loses no prefix. (The engine's RAM
-        prompt cache cannot shrink while it runs: it is a budgeted grant, and it is given
-        back by unloading the runner.)"""
+        """Pressure rose to ``level``. Soft: save the idle slots' states to the disk tier, so
+        that the unload soft pressure may bring next loses no prefix. Hard: nothing — a
+        save holds a slot's state in memory for 0.2-0.9 s when memory is needed now (``close``
+        skips its save at hard pressure for the same reason). The engine's RAM prompt cache
+        cannot shrink while it runs: it is a grant fixed at load, given back by unloading."""
+        if level >= Pressure.HARD:
+            return
         if self._slot_pool is not None and self._server is not None:
             try:
                 self._slot_pool.save_idle()

@@ -30,15 +30,20 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from elbowroom.cluster.rpc import check_rpc_bind
-from elbowroom.cluster.split import tensor_split_arg
 from elbowroom.engines.base import Cancelled, Emit, PressureLevel
 from elbowroom.engines.llama import LlamaEngine
 from elbowroom.engines.llama_control import _UnixConnection
-from elbowroom.engines.options import EngineOptions, Offload, RpcLlamaOptions, expect
+from elbowroom.engines.options import (
+    EngineOptions,
+    Offload,
+    RpcLlamaOptions,
+    expect,
+    tensor_split_arg,
+)
 from elbowroom.engines.requests import Payload
 from elbowroom.errors import EngineError, RunnerCrashed
 from elbowroom.models.spec import ModelSpec
+from elbowroom.rpc_bind import check_rpc_bind
 
 XLLAMACPP_VERSION = "2026.10.11549"
 READY_TIMEOUT = 300.0

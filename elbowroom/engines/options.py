@@ -15,6 +15,7 @@ mypy checks every reader and writer.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -87,3 +88,17 @@ def expect(options: EngineOptions, kind: type[_Kind], engine: str) -> _Kind:
             f"the {engine} engine is loaded with {kind.__name__}, not {type(options).__name__}"
         )
     return options
+
+
+def tensor_split_arg(layers: Sequence[int]) -> str:
+    """``--tensor-split`` for whole repeating layers per device, in device order.
+
+    llama.cpp splits ``n_layer + 1`` units by cumulative proportion (layer ``i`` goes to the
+    first device whose cumulative share exceeds ``i / (n_layer + 1)``), the last unit being
+    the output layer. Giving the last device one unit more puts exactly ``layers[k]``
+    repeating layers on device ``k`` and the output layer on the last (checked against
+    llama.cpp's own per-layer assignment in tests/e2e/test_split_engine.py)."""
+    if not layers:
+        raise ValueError("no device to split over")
+    units = [*layers[:-1], layers[-1] + 1]
+    return ",".join(str(n) for n in units)

@@ -31,6 +31,8 @@ def check_format(fmt: str, supported: tuple[str, ...]) -> str:
 
 
 class PiperEngine:
+    max_concurrent = 1
+
     def __init__(self) -> None:
         self._voice: Any = None
         self._syn_config: Any = None
@@ -104,6 +106,9 @@ class PiperEngine:
 
     def stats(self) -> dict[str, Any]:
         return {"requests": self._requests, "audio_seconds": round(self._audio_seconds, 1)}
+
+    def relieve(self, level: int) -> None:
+        """Nothing to give back: the model is all this engine holds."""
 
     def close(self, *, process_exit: bool = False) -> None:
         self._voice = None

@@ -43,6 +43,8 @@ def model_files(path: Path) -> dict[str, str]:
 
 
 class SphinxEngine:
+    max_concurrent = 1
+
     def __init__(self) -> None:
         self._decoder: Any = None
         self._frate = 100
@@ -94,6 +96,9 @@ class SphinxEngine:
 
     def stats(self) -> dict[str, Any]:
         return {"requests": self._requests}
+
+    def relieve(self, level: int) -> None:
+        """Nothing to give back: the model is all this engine holds."""
 
     def close(self, *, process_exit: bool = False) -> None:
         self._decoder = None

@@ -17,6 +17,8 @@ SAMPLE_RATE = 16000  # what every whisper model expects
 
 
 class WhisperEngine:
+    max_concurrent = 1
+
     def __init__(self) -> None:
         self._model: Any = None
         self._max_seconds = MAX_AUDIO_SECONDS
@@ -80,6 +82,9 @@ class WhisperEngine:
 
     def stats(self) -> dict[str, Any]:
         return {"requests": self._requests, "audio_seconds": round(self._audio_seconds, 1)}
+
+    def relieve(self, level: int) -> None:
+        """Nothing to give back: the model is all this engine holds."""
 
     def close(self, *, process_exit: bool = False) -> None:
         self._model = None

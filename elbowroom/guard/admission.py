@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from elbowroom.errors import MemoryPressure
 from elbowroom.guard.guard import PressureGuard
-from elbowroom.server.ollama_shapes import OLLAMA_WORK_PATHS, error_body, is_ollama_path
+from elbowroom.server.ollama_paths import OLLAMA_WORK_PATHS, error_body, is_ollama_path
 
 
 def starts_work(method: str, path: str) -> bool:

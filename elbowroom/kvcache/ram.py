@@ -1,7 +1,10 @@
 """The RAM tier: sequence states in process memory, least recently used first out.
 
-Its byte size is a grant (``kv_ram_max``, lowered under memory pressure); the tier never
-holds more than the grant. What falls out is handed back to the caller, who spills it to
+Its byte size is a grant (``kv_ram_max``); the tier never holds more than the grant. The
+MLX engine's RAM tier is this one, and it lowers the grant under memory pressure
+(``cache.budget_for_level``: a quarter at soft, none at hard). The llama.cpp engine keeps
+no entries here (``ram_budget=0``): its RAM tier is the engine's own prompt cache, a grant
+fixed at load (docs/kvcache.md). What falls out is handed back to the caller, who spills it to
 the disk tier or drops it: this module touches nothing outside itself.
 """
 

@@ -214,7 +214,7 @@ if engine == "llama":
     # the library; the "imported" stage is then the runner's own baseline.
     import multiprocessing.connection
     import elbowroom.runtime.worker
-    from elbowroom.engines.base import create_engine
+    from elbowroom.engines.registry import create_engine
     create_engine("llama")
     import xllamacpp as x
     stage("imported")
@@ -264,7 +264,7 @@ else:
     # Resident engines: elbowroom's own engine class, so its session options count.
     import importlib, tempfile, wave
     import numpy as np
-    from elbowroom.engines.base import create_engine
+    from elbowroom.engines.registry import create_engine
     from elbowroom.engines.options import EngineOptions
     libs = {"whisper": ["faster_whisper", "av"], "pocketsphinx": ["pocketsphinx", "av"],
             "piper": ["piper", "onnxruntime"], "onnx-embed": ["onnxruntime", "tokenizers"]}

@@ -28,8 +28,9 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
-from elbowroom.engines.base import Engine, create_engine
+from elbowroom.engines.base import Engine
 from elbowroom.engines.options import EngineOptions
+from elbowroom.engines.registry import create_engine
 from elbowroom.engines.requests import Payload
 from elbowroom.errors import ElbowroomError, EngineError
 from elbowroom.models.spec import ModelSpec
@@ -175,7 +176,7 @@ class _Worker:
                 return
 
     def _loop(self) -> None:
-        width = int(getattr(self.engine, "max_concurrent", 1) or 1)
+        width = max(1, self.engine.max_concurrent)
         pool = ThreadPoolExecutor(width, thread_name_prefix="request") if width > 1 else None
         try:
             while True:
@@ -232,11 +233,10 @@ class _Worker:
                     flag.set()
             elif op == "pressure":
                 previous, self.level.value = self.level.value, int(msg["level"])
-                relieve = getattr(self.engine, "relieve", None)
-                if relieve is not None and self.level.value > previous and self.loaded.is_set():
+                if self.level.value > previous and self.loaded.is_set():
                     # Off the reader thread: saving state takes disk time.
                     args = (self.level.value,)
-                    threading.Thread(target=relieve, args=args, daemon=True).start()
+                    threading.Thread(target=self.engine.relieve, args=args, daemon=True).start()
             elif op == "stats":
                 self._send({"event": "stats", "data": self._stats()})
             elif op == "stop":

@@ -84,7 +84,7 @@ class Scheduler:
         Catalog, MeasuredStore and ``models.estimate``; ``probe``, ``runner_factory``,
         ``clock`` and ``sleep`` (waits while polling for memory) are the seams tests swap.
         ``server_usage``: the server process's own anonymous bytes; they count as ours
-        (``own_usage()``) and against the load ceiling. ``when_idle`` runs in a worker
+        (``Residency.own_usage()``) and against the load ceiling. ``when_idle`` runs in a worker
         thread each time the last runner has stopped; by default (``trim_when_idle``) the
         server's free C heap goes back to the OS then (``memory.heap.trim``).
 
@@ -340,10 +340,6 @@ class Scheduler:
         return report.memory_report(
             sample, list(res.loaded.values()), res.last_server, res.loads_paused
         )
-
-    def own_usage(self) -> int:
-        """Bytes that are ours (runners + the server process): what the monitor samples."""
-        return self.residency.own_usage()
 
     def state(self) -> policy.State:
         """Loaded, loading and stopping models as the policy sees them (for the pressure

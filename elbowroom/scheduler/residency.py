@@ -24,7 +24,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,6 +120,9 @@ class Residency:
         # ``Scheduler.fit_context``): it sizes the model's loads until the model is unloaded.
         self.ctx_wanted: dict[str, int] = {}
         self.loads_paused = False  # set by the pressure guard (Scheduler.pause_loads)
+        # A decision's one reading of each runner (``one_reading``), per thread: the
+        # monitor's sampling thread measures on its own.
+        self._reading = threading.local()
         # Loads waiting for busy models -> those models: no new request starts on them
         # until the load is done, so a model in steady use cannot starve the load.
         self._waits_for: dict[str, frozenset[str]] = {}
@@ -294,8 +297,9 @@ class Residency:
     def consider(self, spec: ModelSpec) -> tuple[Sample, policy.State, Plan, policy.Decision]:
         """A fresh memory picture and what a load of ``spec`` would meet in it now: the
         plan and the policy's decision, with nothing acted on."""
-        sample = self.observe()
-        state = self.state()
+        with self.one_reading():
+            sample = self.observe()
+            state = self.state()
         planned = self.planned.get(spec.id)
         if planned is not None:
             return sample, state, planned, policy.decide(state, planned.request)
@@ -578,13 +582,35 @@ class Residency:
         self._last = self.monitor.read()
         return self._last
 
+    @contextlib.contextmanager
+    def one_reading(self) -> Iterator[None]:
+        """Within it each runner's /proc tree and NVML are read at most once: a decision's
+        sample (``own_usage``, ``gpu_usage``) and its ``state`` see the same bytes, and the
+        reading is not repeated three times."""
+        outer = getattr(self._reading, "memo", None)
+        if outer is None:
+            self._reading.memo = {}
+        try:
+            yield
+        finally:
+            if outer is None:
+                self._reading.memo = None
+
+    def _measure(self, rec: Loaded) -> ProcessMemory | None:
+        memo: dict[int, ProcessMemory | None] | None = getattr(self._reading, "memo", None)
+        if memo is None:
+            return rec.measure()
+        if id(rec) not in memo:
+            memo[id(rec)] = rec.measure()
+        return memo[id(rec)]
+
     def own_usage(self) -> int:
         """Bytes that are ours: what our runners hold now plus the server process's own
         anonymous bytes. The one definition; the monitor samples it (from its thread, so
         the records are copied before they are read)."""
         total = self.server_usage()
         for rec in list(self.loaded.values()):
-            mem = rec.measure()
+            mem = self._measure(rec)
             total += mem.resident if mem is not None else 0
         return total
 
@@ -597,14 +623,14 @@ class Residency:
         NVML measures for its process. ``now``: a measurement the caller already took."""
         mem = None
         if rec.phase is Phase.READY:
-            mem = now if now is not None else rec.measure()
+            mem = now if now is not None else self._measure(rec)
         return offload_plan.model_pools(rec.placement, mem.gpu if mem is not None else None)
 
     def _held(self, rec: Loaded) -> tuple[int, dict[str, int]]:
         """``rec``'s committed host bytes and its bytes per GPU pool, from one measurement
         (each reads the runner's /proc tree and NVML)."""
         loaded = rec.phase is not Phase.LOADING and rec.ready is not None
-        now = rec.measure() if loaded else None
+        now = self._measure(rec) if loaded else None
         return rec.held_bytes(now), self._model_pools(rec, now)
 
     def state(self) -> policy.State:

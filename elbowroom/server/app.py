@@ -137,7 +137,14 @@ async def start_services(settings: Settings, *, probe: Probe | None = None) -> S
     if settings.cluster:  # docs/cluster.md; Ray is imported only here
         from elbowroom.cluster.connect import start_cluster
 
-        return await start_cluster(settings, catalog, _measured_store(settings))
+        router, monitor, guard = await start_cluster(settings, catalog, _measured_store(settings))
+        services = Services(settings, catalog, router, monitor=monitor, guard=guard)
+        try:
+            await load_pinned(router.load, settings.pin)
+        except BaseException:
+            await stop_services(services)  # the router's close ends the cluster's services
+            raise
+        return services
     # The pressure watch listens to this machine's kernel: not for an injected probe.
     default_probe_used = probe is None
     if probe is None:

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from starlette.types import Scope, Send
 
 from elbowroom.errors import ElbowroomError
-from elbowroom.server.ollama_shapes import error_body, is_ollama_path
+from elbowroom.server.ollama_paths import error_body, is_ollama_path
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:

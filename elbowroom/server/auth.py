@@ -26,7 +26,7 @@ from elbowroom.config import Settings
 from elbowroom.errors import Forbidden, Unauthorized
 from elbowroom.scheduler.clients import current_client
 from elbowroom.server.asgi import header, send_error
-from elbowroom.server.ollama_shapes import is_ollama_path
+from elbowroom.server.ollama_paths import is_ollama_path
 
 OPEN_PATHS = frozenset({"/health", "/", "/ui"})
 OPEN_PREFIXES = ("/ui/",)  # the dashboard's static files

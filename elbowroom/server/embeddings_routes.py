@@ -21,7 +21,7 @@ from elbowroom.models.spec import ModelKind
 from elbowroom.server.deps import get_services, parse_keep_alive
 from elbowroom.server.metrics import record_model
 from elbowroom.server.model_calls import EMBEDDING_ALIASES, resolve_model, run_once
-from elbowroom.server.ollama_shapes import strip_tag
+from elbowroom.server.ollama_paths import strip_tag
 from elbowroom.server.parsed_json import ParsedJSONRoute
 from elbowroom.server.sse import ClientGone, gone_response, unless_client_leaves
 from elbowroom.server.token_inputs import cl100k_vocab, decode_cl100k, token_arrays

@@ -49,7 +49,7 @@ from elbowroom.server.jsonscan import (
     inspect,
     min_tokens,
 )
-from elbowroom.server.ollama_shapes import is_ollama_path, strip_tag
+from elbowroom.server.ollama_paths import is_ollama_path, strip_tag
 from elbowroom.server.parsed_json import PARSED_JSON
 from elbowroom.units import format_size
 

@@ -178,8 +178,9 @@ class StateCollector(Collector):
         )
         size = GaugeMetricFamily(
             "elbowroom_kv_cache_bytes",
-            "Bytes the KV prefix cache holds, by model and tier (the RAM tier shrinks under "
-            "pressure)",
+            "Bytes the KV prefix cache holds, by model and tier (an MLX runner's RAM tier shrinks "
+            "under pressure; a llama.cpp runner's RAM tier is the engine's own prompt cache, a "
+            "grant fixed at load)",
             labels=["model", "tier"],
         )
         for model, stats in sorted(self._s.kv.items()):

@@ -14,6 +14,7 @@ from typing import Any
 from elbowroom.errors import ElbowroomError
 from elbowroom.server import ollama_shapes as shapes
 from elbowroom.server.metrics import record_tokens
+from elbowroom.server.ollama_paths import error_body
 from elbowroom.server.sse import Generation, ManagedStream
 
 log = logging.getLogger("elbowroom.server")
@@ -125,7 +126,7 @@ async def stream_reply(generation: Generation, reply: Reply, model_id: str) -> A
         raise ElbowroomError("the runner ended the stream without a result")
     except ElbowroomError as err:
         failure = err  # headers are gone: the error is the stream's last line
-        yield _line(shapes.error_body(err))
+        yield _line(error_body(err))
     except (GeneratorExit, asyncio.CancelledError):
         log.info("client went away mid-stream: cancelling the generation on %s", model_id)
         raise

@@ -33,9 +33,10 @@ from elbowroom.server.errors import validation_to_bad_request
 from elbowroom.server.images import check_chat_images
 from elbowroom.server.metrics import record_model, record_tokens
 from elbowroom.server.model_calls import run_once
+from elbowroom.server.ollama_paths import error_body, strip_tag
 from elbowroom.server.ollama_reply import NdjsonStream, Reply, Timing, stream_reply
 from elbowroom.server.parsed_json import ParsedJSONRoute
-from elbowroom.server.schemas import ChatCompletionRequest, CompletionRequest
+from elbowroom.server.schemas import ChatCompletionRequest, CompletionRequest, refuse_absurd
 from elbowroom.server.sse import ClientGone, gone_response, open_generation, unless_client_leaves
 from elbowroom.server.text_calls import engine_request, whole_answer
 
@@ -48,7 +49,7 @@ class _NotImplementedHere(ElbowroomError):
 
 
 def ollama_error(err: ElbowroomError) -> JSONResponse:
-    return JSONResponse(shapes.error_body(err), status_code=err.status, headers=err.headers())
+    return JSONResponse(error_body(err), status_code=err.status, headers=err.headers())
 
 
 class OllamaRoute(ParsedJSONRoute):
@@ -91,7 +92,7 @@ router = APIRouter(prefix="/api", route_class=OllamaRoute)
 def resolve(catalog: Any, name: str, kinds: tuple[ModelKind, ...], endpoint: str) -> ModelSpec:
     """The spec for an Ollama model name ("id" or "id:latest"), of one of ``kinds``."""
     spec: ModelSpec | None = None
-    for candidate in dict.fromkeys((name, shapes.strip_tag(name))):
+    for candidate in dict.fromkeys((name, strip_tag(name))):
         try:
             spec = catalog.get(candidate)
             break
@@ -276,6 +277,7 @@ async def _text(
 ) -> Response:
     openai["model"] = spec.id
     validated = _validated(kind, openai)
+    refuse_absurd(validated.max_tokens, "num_predict", services.settings.max_tokens_cap)
     messages = None
     if isinstance(validated, ChatCompletionRequest):
         await check_chat_images(services, validated)  # vision: before any load or engine work

@@ -17,26 +17,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from elbowroom.errors import BadRequest, ElbowroomError
+from elbowroom.errors import BadRequest
 
 # The Ollama API version whose shapes these follow (clients gate features on it: tools,
 # structured outputs and /api/embed all exist from here on).
 OLLAMA_API_VERSION = "0.13.0"
 
 _LAX = ConfigDict(extra="ignore")
-
-# Ollama's routes: errors on these are answered in Ollama's shape, even by the middlewares.
-_OLLAMA_NAMES = ("tags", "ps", "show", "version", "chat", "generate", "embed", "embeddings")
-OLLAMA_PATHS = frozenset(
-    "/api/" + name for name in (*_OLLAMA_NAMES, "pull", "push", "create", "copy", "delete")
-)
-# The Ollama routes that start work on a model (the memory guard refuses them while hard).
-OLLAMA_WORK_PATHS = frozenset({"/api/chat", "/api/generate", "/api/embed", "/api/embeddings"})
-
-
-def is_ollama_path(path: str) -> bool:
-    return path in OLLAMA_PATHS or path.startswith("/api/blobs/")
-
 
 # Ollama option -> the OpenAI field that carries it (the engine honours these).
 _OPENAI_OPTIONS = {
@@ -346,11 +333,6 @@ def generate_to_openai(body: GenerateBody) -> tuple[Literal["chat", "completion"
     return "chat", {**fields, "messages": messages}
 
 
-def strip_tag(name: str) -> str:
-    """Ollama names carry a tag ("model:latest"); elbowroom's ids do not."""
-    return name[: -len(":latest")] if name.endswith(":latest") else name
-
-
 # --- responses --------------------------------------------------------------------------
 
 
@@ -360,12 +342,6 @@ def now_iso() -> str:
 
 def iso_at(wall: float) -> str:
     return datetime.fromtimestamp(wall, tz=UTC).isoformat().replace("+00:00", "Z")
-
-
-def error_body(err: ElbowroomError) -> dict[str, Any]:
-    """Ollama's error shape, ``{"error": "message"}``; the numbers of a 507 or a 503 (needed,
-    available, retry_after, ...) ride along as extra fields."""
-    return {"error": err.message, **err.details}
 
 
 def tool_calls_to_ollama(calls: list[dict[str, Any]] | None) -> list[dict[str, Any]]:

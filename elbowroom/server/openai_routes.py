@@ -21,7 +21,7 @@ from elbowroom.server.images import check_chat_images
 from elbowroom.server.metrics import record_model, record_tokens
 from elbowroom.server.model_calls import alias_target
 from elbowroom.server.parsed_json import ParsedJSONRoute
-from elbowroom.server.schemas import ChatCompletionRequest, CompletionRequest
+from elbowroom.server.schemas import ChatCompletionRequest, CompletionRequest, refuse_absurd
 from elbowroom.server.shapes import Envelope, Logprobs
 from elbowroom.server.sse import (
     DONE,
@@ -38,9 +38,6 @@ from elbowroom.server.text_calls import engine_request, whole_answer
 log = logging.getLogger("elbowroom.server")
 
 router = APIRouter(prefix="/v1", route_class=ParsedJSONRoute)
-
-# Above this a max_tokens is a client bug, not a wish: 400 instead of clamping.
-ABSURD_MAX_TOKENS = 1 << 20
 
 
 def model_card(spec: ModelSpec) -> dict[str, Any]:
@@ -96,7 +93,7 @@ async def _generate(request: Request, body: ChatCompletionRequest | CompletionRe
     spec = _text_model(services.catalog, body.model or settings.default_model)
     record_model(request, spec)
     _check_for_model(spec, body)
-    _refuse_absurd(body, settings.max_tokens_cap)
+    refuse_absurd(*body.requested_max_tokens(), settings.max_tokens_cap)
     text = engine_request(body, settings)
     keep_alive = parse_keep_alive(body.keep_alive)
     envelope = Envelope.new(text.kind, spec.id, int(time.time()))
@@ -138,19 +135,6 @@ async def _generate(request: Request, body: ChatCompletionRequest | CompletionRe
             reasoning=done.get("reasoning") or None,
         )
     )
-
-
-def _refuse_absurd(body: ChatCompletionRequest | CompletionRequest, cap: int) -> None:
-    """Above ABSURD_MAX_TOKENS a max_tokens is a client bug, not a wish: a 400 (below it
-    the cap applies, text_calls.engine_request)."""
-    max_tokens, param = body.requested_max_tokens()
-    if max_tokens is not None and max_tokens > ABSURD_MAX_TOKENS:
-        raise BadRequest(
-            f"{param}={max_tokens} is absurd: no context holds more than {ABSURD_MAX_TOKENS} "
-            f"tokens; this server generates at most {cap} per request (max_tokens_cap)",
-            param=param,
-            code="invalid_value",
-        )
 
 
 def _text_model(catalog: Any, model_id: str) -> ModelSpec:

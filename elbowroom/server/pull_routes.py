@@ -35,8 +35,8 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
 from elbowroom.errors import BadRequest, ElbowroomError, Forbidden
-from elbowroom.server import ollama_shapes as shapes
 from elbowroom.server.deps import Services, get_services
+from elbowroom.server.ollama_paths import error_body
 from elbowroom.server.ollama_routes import OllamaRoute, ollama_error
 from elbowroom.server.origin import _same_origin
 
@@ -209,7 +209,7 @@ async def _stream(
         try:
             result = task.result()
         except ElbowroomError as err:
-            yield _line(shapes.error_body(err))
+            yield _line(error_body(err))
             return
         except Exception as exc:  # a failure we did not foresee still ends the stream
             log.error("pull of %s failed: %s: %s", plan.repo_id, type(exc).__name__, exc)

@@ -37,7 +37,7 @@ from elbowroom.server.responses_shapes import (
     output_messages,
 )
 from elbowroom.server.responses_store import ResponseStore
-from elbowroom.server.schemas import ChatCompletionRequest
+from elbowroom.server.schemas import ChatCompletionRequest, refuse_absurd
 from elbowroom.server.sse import ManagedStream
 
 log = logging.getLogger("elbowroom.server")
@@ -67,13 +67,7 @@ async def create_response(request: Request, body: ResponsesRequest) -> Response:
             param="input",
             code="too_many_messages",
         )
-    if (body.max_output_tokens or 0) > openai_routes.ABSURD_MAX_TOKENS:
-        raise BadRequest(
-            f"max_output_tokens={body.max_output_tokens} is absurd: this server generates at "
-            f"most {settings.max_tokens_cap} tokens per request (max_tokens_cap)",
-            param="max_output_tokens",
-            code="invalid_value",
-        )
+    refuse_absurd(body.max_output_tokens, "max_output_tokens", settings.max_tokens_cap)
     try:
         chat_request = ChatCompletionRequest.model_validate(chat)
     except ValidationError as exc:

@@ -23,6 +23,7 @@ from typing import Annotated, Any, ClassVar, TypedDict
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
 from elbowroom.engines.requests import TextRequest
+from elbowroom.errors import BadRequest
 from elbowroom.server.chat_schemas import (
     STRICT,
     ChatMessage,
@@ -56,6 +57,23 @@ SAMPLERS = (
     "mirostat_tau",
     "mirostat_eta",
 )
+
+
+# Above this a max_tokens is a client bug, not a wish: 400 instead of clamping.
+ABSURD_MAX_TOKENS = 1 << 20
+
+
+def refuse_absurd(value: int | None, param: str, cap: int) -> None:
+    """A token limit above ABSURD_MAX_TOKENS is a 400 on every route (OpenAI's
+    ``max_tokens``, the Responses API's ``max_output_tokens``, Ollama's ``num_predict``);
+    below it ``max_tokens_cap`` (``cap``) applies (text_calls.engine_request)."""
+    if value is not None and value > ABSURD_MAX_TOKENS:
+        raise BadRequest(
+            f"{param}={value} is absurd: no context holds more than {ABSURD_MAX_TOKENS} "
+            f"tokens; this server generates at most {cap} per request (max_tokens_cap)",
+            param=param,
+            code="invalid_value",
+        )
 
 
 class _SharedFields(TypedDict):

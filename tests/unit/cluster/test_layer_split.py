@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from elbowroom.cluster.rpc import RpcBindError, check_rpc_bind, rpc_server_args
+from elbowroom.cluster.rpc import rpc_server_args
 from elbowroom.cluster.split import SplitError, check_fits, split_layers, tensor_split
+from elbowroom.rpc_bind import RpcBindError, check_rpc_bind
 
 GiB = 1024**3
 

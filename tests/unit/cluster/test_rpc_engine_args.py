@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from elbowroom.cluster.agent import node_settings
-from elbowroom.cluster.rpc import RpcBindError
 from elbowroom.config import Settings
 from elbowroom.engines.llama_rpc import server_args
+from elbowroom.rpc_bind import RpcBindError
 
 xllamacpp = pytest.importorskip("xllamacpp")
 

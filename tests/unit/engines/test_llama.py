@@ -15,6 +15,7 @@ from typing import Any
 
 import psutil
 import pytest
+import xllamacpp  # noqa: F401  (a hard dependency: a broken install fails, never skips)
 from bundled_models import bundled_spec
 
 from elbowroom.config import Settings
@@ -24,8 +25,6 @@ from elbowroom.engines.options import LlamaOptions
 from elbowroom.engines.requests import EmbedRequest, TextRequest
 from elbowroom.errors import BadRequest, ContextOverflow, MemoryPressure
 from elbowroom.models.spec import ModelSpec
-
-pytest.importorskip("xllamacpp")
 
 N_CTX = 512
 SLOTS = 2

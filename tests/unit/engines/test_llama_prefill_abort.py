@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import xllamacpp  # noqa: F401  (a hard dependency: a broken install fails, never skips)
 from bundled_models import bundled_spec
 
 from elbowroom.engines.llama import N_BATCH, LlamaEngine
@@ -16,7 +17,6 @@ from elbowroom.engines.options import LlamaOptions
 from elbowroom.engines.requests import TextRequest
 from elbowroom.errors import MemoryPressure
 
-pytest.importorskip("xllamacpp")
 pytestmark = pytest.mark.slow
 
 

@@ -373,3 +373,26 @@ def test_a_new_runner_tokenizes_only_what_a_saved_prompt_lacks(tmp_path: Path) -
         assert slots.save_all() == stored  # the first is on disk already
         assert engine.tokenized == calls
         assert engine.renders == renders + len(calls)
+
+
+@pytest.mark.parametrize(("level", "saved"), [(1, True), (2, False)])
+def test_relief_saves_idle_slots_at_soft_pressure_and_not_at_hard(
+    tmp_path: Path, level: int, saved: bool
+) -> None:
+    """``relieve`` used to ignore its level: a jump to hard pressure started a 0.2-0.9 s
+    save, holding a slot's state in memory just when memory was needed (close skips its
+    save at hard pressure for that reason)."""
+    from elbowroom.engines.llama import LlamaEngine
+
+    control = _SlowTokenizer()
+    control.go.set()
+    key = CacheKey("m", 1024, "f16")
+    cache = PrefixCache(key, block_tokens=64, ram_budget=0, disk_dir=tmp_path / "kv", disk_max=MiB)
+    slots = Slots(cast(EngineControl, control), 1, cache, tmp_path, block_tokens=64)
+    idle = slots.acquire("user: tell me a long story about the sea and its old ships")
+    slots.prepare(idle, "completion", {"prompt": "a long story"})
+    slots.release(idle)
+    engine = LlamaEngine(lambda: level)
+    engine._slot_pool, engine._server = slots, object()  # a loaded engine, at its edges
+    engine.relieve(level)
+    assert control.saving.is_set() is saved

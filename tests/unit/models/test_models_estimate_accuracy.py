@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+import xllamacpp  # noqa: F401  (a hard dependency: a broken install fails, never skips)
 from bundled_models import bundled_spec
 from synth_models import TINY, ensure
 
@@ -28,7 +29,6 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> ModelSpec:
-    pytest.importorskip("xllamacpp")
     try:
         path = ensure([TINY], tmp_path_factory.mktemp("synth"))[TINY.name]
     except FileNotFoundError as exc:  # the tokenizer comes from the bundled SmolLM2
@@ -57,7 +57,6 @@ def test_held_out_synthetic_model_within_10_percent(tiny: ModelSpec) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(("n_ctx", "slots"), [(512, 1), (4096, 4)])
 def test_smollm2_within_10_percent(empty_settings: Settings, n_ctx: int, slots: int) -> None:
-    pytest.importorskip("xllamacpp")
     spec = next((s for s in bundled_specs(empty_settings) if s.id == "smollm2-135m"), None)
     if spec is None:
         pytest.skip("the bundled SmolLM2 is not installed")
@@ -68,7 +67,6 @@ def test_smollm2_within_10_percent(empty_settings: Settings, n_ctx: int, slots: 
 def test_gemma3_within_10_percent_and_never_under() -> None:
     # the other bundled LLM (a sliding-window model with a 262,144-token vocabulary), from
     # where the server assembles it
-    pytest.importorskip("xllamacpp")
     try:
         spec = bundled_spec("gemma3-270m")
     except LookupError as exc:

@@ -22,6 +22,8 @@ class Stubborn:
     """Streams one delta, then blocks forever, ignoring cancellation and the stop op.
     With ``ignore_term`` it also ignores SIGTERM, so only SIGKILL ends it."""
 
+    max_concurrent = 1
+
     def __init__(self, *, ignore_term: bool = False) -> None:
         self.ignore_term = ignore_term
 
@@ -37,6 +39,9 @@ class Stubborn:
 
     def stats(self) -> dict[str, Any]:
         return {"stub": "stats"}
+
+    def relieve(self, level: int) -> None:
+        pass
 
     def close(self, *, process_exit: bool = False) -> None:
         pass

@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import xllamacpp  # noqa: F401  (a hard dependency: a broken install fails, never skips)
 from bundled_models import bundled_spec
 from crafted_gguf import CRAFTED_TEMPLATES, with_chat_template
 
@@ -18,8 +19,6 @@ from elbowroom.engines.options import LlamaOptions
 from elbowroom.errors import RunnerCrashed
 from elbowroom.runtime.protocol import Runner, RunnerState
 from elbowroom.runtime.supervisor import Supervisor
-
-pytest.importorskip("xllamacpp")
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import pytest
 import stub_engines
+import xllamacpp  # noqa: F401  (a hard dependency: a broken install fails, never skips)
 from bundled_models import bundled_spec
 
 from elbowroom.config import Settings
@@ -27,8 +28,6 @@ from elbowroom.memory.types import ZERO_PROCESS_MEMORY
 from elbowroom.models.spec import ModelSpec
 from elbowroom.runtime.protocol import Runner, RunnerState
 from elbowroom.runtime.supervisor import Supervisor, describe_exit, spawn_worker
-
-pytest.importorskip("xllamacpp")
 
 T = TypeVar("T")
 SETTINGS = Settings(load_timeout=120.0, stop_grace=5.0)

@@ -45,7 +45,7 @@ def test_chat_reaches_the_runner_as_a_text_request(harness: Harness) -> None:
 def test_num_predict_is_clamped_to_the_cap_as_openais_max_tokens(harness: Harness) -> None:
     """No limit (-1), none sent, or more than the cap: every request generates at most
     max_tokens_cap tokens, the same clamp as the OpenAI routes'."""
-    for options in ({"num_predict": -1}, {}, {"num_predict": 1 << 30}, {"num_predict": 7}):
+    for options in ({"num_predict": -1}, {}, {"num_predict": 100_000}, {"num_predict": 7}):
         r = harness.client.post(
             "/api/generate",
             json={"model": "smollm2-135m", "prompt": "Hi", "stream": False, "options": options},
@@ -53,6 +53,20 @@ def test_num_predict_is_clamped_to_the_cap_as_openais_max_tokens(harness: Harnes
         assert r.status_code == 200, r.text
     caps = [text.max_tokens for _, text in harness.scheduler.requests]
     assert caps == [4096, 4096, 4096, 7]
+
+
+@pytest.mark.parametrize("path", ["/api/generate", "/api/chat"])
+def test_an_absurd_num_predict_is_a_400_as_openais_max_tokens(harness: Harness, path: str) -> None:
+    """Above 2**20 tokens a limit is a client bug: the OpenAI routes answer 400, and so does
+    Ollama's (it used to clamp it silently to the cap), in Ollama's error shape."""
+    body: dict[str, Any] = {"model": "smollm2-135m", "stream": False}
+    body.update({"prompt": "Hi"} if path == "/api/generate" else {"messages": HI})
+    r = harness.client.post(path, json={**body, "options": {"num_predict": 1 << 30}})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert isinstance(error, str) and "num_predict=1073741824 is absurd" in error
+    assert "max_tokens_cap" in error
+    assert harness.scheduler.requests == []  # refused before any runner was asked
 
 
 def test_chat_streams_ndjson(harness: Harness) -> None:

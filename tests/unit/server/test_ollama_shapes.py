@@ -15,6 +15,7 @@ from elbowroom.errors import BadRequest, InsufficientMemory
 from elbowroom.models.spec import Holding, ModelKind, ModelSpec
 from elbowroom.server import ollama_models as views
 from elbowroom.server import ollama_shapes as shapes
+from elbowroom.server.ollama_paths import error_body, strip_tag
 from elbowroom.server.schemas import ChatCompletionRequest
 
 
@@ -203,10 +204,10 @@ def test_responses_tool_calls_durations_and_errors() -> None:
         "eval_duration": 10_000_000,
     }
     err = InsufficientMemory("does not fit", details={"needed": 10, "available": 4})
-    assert shapes.error_body(err) == {"error": "does not fit", "needed": 10, "available": 4}
+    assert error_body(err) == {"error": "does not fit", "needed": 10, "available": 4}
     assert shapes.done_reason("length") == "length" and shapes.done_reason("tool_calls") == "stop"
-    assert shapes.strip_tag("smollm2-135m:latest") == "smollm2-135m"
-    assert shapes.strip_tag("a:b") == "a:b"
+    assert strip_tag("smollm2-135m:latest") == "smollm2-135m"
+    assert strip_tag("a:b") == "a:b"
 
 
 def test_model_views_from_gguf_metadata(tmp_path: Path) -> None:
