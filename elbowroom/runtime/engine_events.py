@@ -74,8 +74,13 @@ async def text_events(
             raise EngineError(f"the runner answered open with {first!r}")
         if ticket.socket is not None:
             await _aclose(items)  # the ticket was the whole answer: the slot is held
-            async for out in _from_socket(cast(SocketHost, runner), ticket):
-                yield out
+            inner = _from_socket(cast(SocketHost, runner), ticket)
+            try:
+                async for out in inner:
+                    yield out
+            finally:  # now, not when the collector finds it: the slot goes back here
+                with anyio.CancelScope(shield=True):
+                    await inner.aclose()
             return
         yield ticket
         async for item in items:
@@ -88,7 +93,9 @@ async def text_events(
             await _aclose(items)  # a request not answered yet is cancelled in the runner
 
 
-async def _from_socket(runner: SocketHost, ticket: TextTicket) -> AsyncIterator[TextTicket | bytes]:
+async def _from_socket(
+    runner: SocketHost, ticket: TextTicket
+) -> AsyncGenerator[TextTicket | bytes, None]:
     conn = EngineConnection(runner, ticket)
     unwatch: Callable[[], None] = lambda: None  # noqa: E731
     try:

@@ -362,6 +362,8 @@ def test_a_client_gone_before_the_first_byte_releases_everything(tmp_path: Path)
             text = TextRequest(kind="chat", max_tokens=8, stream=True)
             r = await Relay.open(run.scheduler, MODEL, None, text, openai())
             await r.release()
+            # Given back by release itself, not later by the garbage collector.
+            assert len(runner.closed) == 1 and run.scheduler.released == [None]
             await r.release()  # idempotent
             await asyncio.wait_for(engine.closed.wait(), 30)
             return run
