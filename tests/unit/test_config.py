@@ -98,5 +98,5 @@ def test_a_removed_setting_is_refused_naming_why(tmp_path: Path) -> None:
         {"environ": {"ELBOWROOM_DIRECT_STREAMS": "false"}},
         {"flags": {"direct_streams": False}, "environ": {}},
     ):
-        with pytest.raises(ConfigError, match="(?i)direct_streams.* was removed: every chat"):
+        with pytest.raises(ConfigError, match=r"(?i)direct_streams.* was removed: every chat"):
             load_settings(**kwargs)  # type: ignore[arg-type]
