@@ -185,23 +185,24 @@ def test_closing_the_stream_early_cancels_the_work(
 ) -> None:
     sup, _, _ = llm
     # How many tokens a request left in the context shows up as the next prompt's cached
-    # prefix. Control: an uncancelled 120-token run leaves all of them there.
-    full = run(complete(sup, counting(120)))
+    # prefix. Control: an uncancelled 64-token run leaves all of them there (cached_tokens
+    # are exact here: the relay rounds them for clients).
+    full = run(complete(sup, counting(64)))
     continued = replace(COUNTING, prompt=COUNTING.prompt + full["text"], max_tokens=1)
     control = run(complete(sup, continued))
     n_prompt = full["usage"]["prompt_tokens"]
-    assert control["usage"]["cached_tokens"] >= n_prompt + 64
+    assert control["usage"]["cached_tokens"] >= n_prompt + 40
 
     async def take_two_then_leave() -> None:
-        events = text_events(sup, counting(120))
+        events = text_events(sup, counting(64))
         for _ in range(2):  # the ticket, then the first events
             await anext(events)
         await events.aclose()  # as the relay does when its client leaves
 
     run(take_two_then_leave())
     after = run(complete(sup, continued))
-    # The engine stopped a few tokens in, not after 120.
-    assert after["usage"]["cached_tokens"] < n_prompt + 60
+    # The engine stopped a few tokens in, not after 64.
+    assert after["usage"]["cached_tokens"] < n_prompt + 20
     assert sup.state is RunnerState.READY
 
 
