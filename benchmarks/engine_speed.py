@@ -372,14 +372,12 @@ class Elbowroom(HttpSystem):
 
     def __init__(self, home: Path, slots: int, ctx: int, threads: int, variant: str = "") -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("ELBOWROOM_")}
-        # elbowroom:pipe carries every token through the runner pipe (direct_streams off):
-        # what the direct streams (server/direct.py) save. elbowroom:asyncio runs the server
-        # on asyncio's standard event loop instead of uvloop: what uvloop saves.
+        # elbowroom:asyncio runs the server on asyncio's standard event loop instead of
+        # uvloop: what uvloop saves. (elbowroom:pipe, tokens through the runner pipe, is
+        # gone with that path: every request is relayed from the engine's socket.)
         knobs = {"ELBOWROOM_THREADS": str(threads)}
         if variant:
             self.name = f"elbowroom:{variant}"
-        if variant == "pipe":
-            knobs["ELBOWROOM_DIRECT_STREAMS"] = "false"
         if variant == "asyncio":
             knobs["ELBOWROOM_EVENT_LOOP"] = "asyncio"
         env.update(
@@ -933,11 +931,11 @@ def _names(text: str) -> list[str]:
     for name in names:
         system, _, cpu = name.partition(":")
         ok = system in ("elbowroom", "xllamacpp") and not cpu
-        ok |= name in ("elbowroom:pipe", "elbowroom:asyncio", "xllamacpp:http")
+        ok |= name in ("elbowroom:asyncio", "xllamacpp:http")
         ok |= system == "llama-server" and cpu in ("", *CPU_VARIANTS)
         if not ok:
             raise argparse.ArgumentTypeError(
-                f"unknown system {name!r}: elbowroom[:pipe|:asyncio], xllamacpp[:http], "
+                f"unknown system {name!r}: elbowroom[:asyncio], xllamacpp[:http], "
                 "llama-server[:native|:wheel]"
             )
     return ["llama-server:native" if n == "llama-server" else n for n in names]
@@ -953,8 +951,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--systems",
         type=_names,
-        default=_names("elbowroom,elbowroom:pipe,llama-server:native,llama-server:wheel,xllamacpp"),
-        help="comma list of elbowroom, elbowroom:pipe, elbowroom:asyncio, xllamacpp,"
+        default=_names("elbowroom,llama-server:native,llama-server:wheel,xllamacpp"),
+        help="comma list of elbowroom, elbowroom:asyncio, xllamacpp,"
         " xllamacpp:http, llama-server:native, llama-server:wheel",
     )
     parser.add_argument(

@@ -112,9 +112,6 @@ class Settings:
     chat_template_check: bool = True
     chat_template_check_seconds: float = 3.0
     chat_template_check_memory: int = _size(default=256 * 1024**2)
-    # Streamed LLM requests are read by the server straight from the engine's private
-    # socket (server/direct.py) instead of token by token through the runner pipe.
-    direct_streams: bool = True
     # --- lifetimes
     keep_alive: float = 300.0  # seconds an idle mmap (LLM) model stays loaded
     resident_idle: float = 300.0  # seconds an idle resident engine (whisper/piper/onnx) stays
@@ -269,10 +266,14 @@ def load_settings(
             raise ConfigError(f"cannot read config file {path}: {exc}") from exc
         for key, raw in data.items():
             name = key.replace("-", "_")
+            _refuse_removed(name, f"{path}: setting {key!r}")
             if name not in _FIELDS:
                 raise ConfigError(f"{path}: unknown setting {key!r}")
             values[name] = raw
 
+    for name in REMOVED:
+        if env.get("ELBOWROOM_" + name.upper()) is not None:
+            _refuse_removed(name, f"ELBOWROOM_{name.upper()}")
     for name in _FIELDS:
         raw = env.get("ELBOWROOM_" + name.upper())
         if raw is not None:
@@ -280,6 +281,7 @@ def load_settings(
 
     for name, raw in (flags or {}).items():
         if raw is not None:
+            _refuse_removed(name, f"setting {name!r}")
             if name not in _FIELDS:
                 raise ConfigError(f"unknown setting {name!r}")
             values[name] = raw
@@ -293,6 +295,18 @@ def load_settings(
     settings = Settings(**converted)
     _validate(settings)
     return settings
+
+
+# Settings that existed and were removed: naming one is an error that says why.
+REMOVED = {
+    "direct_streams": "every chat and completion request is now relayed from the engine's "
+    "own events (docs/runners.md, 'One request path'); there is no other path to choose",
+}
+
+
+def _refuse_removed(name: str, where: str) -> None:
+    if name in REMOVED:
+        raise ConfigError(f"{where} was removed: {REMOVED[name]}; delete it")
 
 
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")

@@ -34,13 +34,14 @@ from elbowroom.cluster.relay import END
 from elbowroom.cluster.rpc import rpc_server_args
 from elbowroom.config import Settings
 from elbowroom.engines.options import EngineOptions
-from elbowroom.engines.requests import Payload
+from elbowroom.engines.requests import Payload, TextRequest, TextTicket
 from elbowroom.errors import ElbowroomError
 from elbowroom.memory.probe import default_probe
 from elbowroom.memory.process import measure_pid
 from elbowroom.memory.types import ZERO_PROCESS_MEMORY, ProcessMemory, Snapshot
 from elbowroom.models.spec import ModelSpec
 from elbowroom.rpc_bind import RpcBindError
+from elbowroom.runtime.engine_events import text_events
 from elbowroom.runtime.protocol import Runner
 from elbowroom.runtime.supervisor import Supervisor, WorkerTarget, spawn_worker
 from elbowroom.runtime.worker import worker_main
@@ -157,6 +158,16 @@ class NodeAgent:
             yield {"error": _gone(key)}
             return
         try:
+            if kind == "open" and isinstance(payload, TextRequest):
+                # The engine's socket is on this node: read its events here and send them
+                # on (the ticket says so: its socket is None), as MLX sends its own.
+                async for event in text_events(sup, payload):
+                    if isinstance(event, TextTicket):
+                        yield {"item": {"type": "ticket", "ticket": event}}
+                    else:
+                        yield {"item": {"type": "events", "data": event}}
+                yield {"item": {"type": "done"}}
+                return
             async for item in sup.request(kind, payload):
                 yield {"item": item}
         except ElbowroomError as exc:

@@ -168,10 +168,6 @@ class _OnNode(Protocol):
 class RemoteRunner(RunnerStatus):
     """A model's runner on another node, through that node's agent."""
 
-    # The engine's private socket is on that node: streams take the runner's own path,
-    # relayed by the agent (server/direct.py serves only runners it can reach).
-    direct_streams = False
-
     def __init__(self, spec: ModelSpec, on_exit: ExitCallback, *, node: Node) -> None:
         super().__init__()
         self.spec = spec

@@ -117,8 +117,6 @@ class ShareHooks:
 class ShareRunner(RunnerStatus):
     """A node's share: its ``rpc-server``, through the node's agent."""
 
-    direct_streams = False
-
     def __init__(
         self, spec: ModelSpec, on_exit: ExitCallback, *, node: Node, hooks: ShareHooks
     ) -> None:

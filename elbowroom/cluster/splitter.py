@@ -103,8 +103,6 @@ class SplitRunner:
     request: an answer cut by hard memory pressure names the node whose share is pressed
     (the engine only knows it was told level 2)."""
 
-    direct_streams = False
-
     def __init__(self, engine: RemoteRunner, running: RunningSplit) -> None:
         self.spec: ModelSpec = engine.spec
         self._engine = engine

@@ -13,12 +13,13 @@ payload is a typed request from engines/requests.py, validated by the server; an
 takes its own type (``requests.expect``: anything else is a 400) and checks only what the
 server cannot know (a model's languages, the formats this FFmpeg encodes). Ops and payloads:
 
-- llama  ``chat``, ``completion``: an ``engines.requests.TextRequest`` (validated by the
-         server); emits {"type": "delta", "text": str, ...} per piece; returns
-         {"text", "finish_reason": "stop"|"length"|"tool_calls"|"cancelled", "usage":
-          {"prompt_tokens", "completion_tokens", "cached_tokens"}, ...}
-         ``open``: a ``TextRequest`` the server streams from the engine itself;
-         ``close``: a ``DirectClose`` (server/direct.py)
+- llama, mlx ``open``: an ``engines.requests.TextRequest`` (validated by the server): the
+         engine's only text operation. It picks and restores the slot, builds the engine's
+         request and returns ``{"ticket": TextTicket}``; the events then come from the
+         engine's socket (llama) or follow over the runner as ``{"type": "events", "data":
+         bytes}`` items after a ``{"type": "ticket", "ticket": TextTicket}`` one (mlx).
+         Both are llama.cpp's OpenAI-shaped SSE events (runtime/engine_events.py).
+         ``close``: a ``CloseTicket`` (the relay's end, however it ended)
 - whisper, pocketsphinx ``transcribe``: a ``TranscribeRequest``;
          returns {"text", "language", "duration", "segments": [...]}
 - piper  ``speech``:      a ``SpeechRequest``; returns {"audio": bytes, "content_type": str}

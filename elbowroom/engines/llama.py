@@ -5,16 +5,15 @@ The engine does continuous batching over ``slots`` sequences, prompt caching in 
 through the chat template and logprobs. elbowroom owns everything around it: the context and
 slot count, the cache grant, the pressure check, cancellation and error translation.
 
-Every request runs on its own worker thread (``max_concurrent`` = slots) and is always a
-stream on the engine side: the stream callback is where cancellation and the hard-pressure
-abort stop a generation (returning True ends it), also for clients that did not stream.
-``return_progress`` makes the engine call back once per prompt batch, so a long prefill can
-be cancelled between batches too.
+``open`` is the engine's only text operation: it picks and restores the request's slot,
+builds llama.cpp's request and hands back a ``TextTicket``; the server posts it to the
+engine's private socket and relays the engine's own SSE events (server/relay.py), always a
+stream on the engine side, also for clients that did not stream. Closing that connection
+cancels the generation (client gone, hard-pressure abort); ``close`` gives the slot back.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -26,11 +25,9 @@ from elbowroom.config import KV_TYPES
 from elbowroom.engines.base import Cancelled, Emit, PressureLevel
 from elbowroom.engines.llama_control import EngineControl
 from elbowroom.engines.llama_slots import Slots
-from elbowroom.engines.llama_stream import StreamState
-from elbowroom.engines.llama_tools import parse as parse_tool_reply
 from elbowroom.engines.llama_tools import plan as plan_tools
 from elbowroom.engines.options import EngineOptions, LlamaOptions, expect
-from elbowroom.engines.requests import DirectClose, Payload, TextRequest
+from elbowroom.engines.requests import CloseTicket, Payload, TextRequest, TextTicket
 from elbowroom.errors import (
     BadRequest,
     ContextOverflow,
@@ -88,10 +85,11 @@ class LlamaEngine:
         self._lock = threading.Lock()
         self._active = 0
         self._served = 0
-        # Direct streams open now: ticket -> (slot, cache-isolated).
+        # Tickets open now: ticket -> (slot, cache-isolated).
         self._tickets: dict[int, tuple[int, bool]] = {}
         self._next_ticket = 0
-        self._direct = 0  # requests served as direct streams
+        # Requests relayed from the engine's socket, in all and by what the relay rewrites.
+        self._socket_streams = {"all": 0, "logprobs": 0, "emulated_tools": 0, "transcript": 0}
         self.max_concurrent = 1
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -222,12 +220,13 @@ class LlamaEngine:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            active, served, direct = self._active, self._served, self._direct
+            active, served = self._active, self._served
+            socket_streams = dict(self._socket_streams)
         out: dict[str, Any] = {
             "slots": self._slots,
             "slots_busy": active,
             "requests_served": served,
-            "direct_streams": direct,
+            "socket_streams": socket_streams,
             "prompt_cache_grant": self._cache_grant,
         }
         if self._slot_pool is not None:
@@ -269,88 +268,52 @@ class LlamaEngine:
     def run(self, op: str, payload: Payload, emit: Emit, cancelled: Cancelled) -> dict[str, Any]:
         if self._server is None:
             raise EngineError("the model is not loaded")
-        if op == "close" and isinstance(payload, DirectClose):
+        if op == "close" and isinstance(payload, CloseTicket):
             return self._close(payload)
-        if op not in ("chat", "completion", "open") or not isinstance(payload, TextRequest):
+        if op != "open" or not isinstance(payload, TextRequest):
             raise BadRequest(
-                f"the llama engine serves chat, completion and open with a TextRequest, not "
-                f"{op!r} with a {type(payload).__name__}"
+                f"the llama engine serves open with a TextRequest and close, not {op!r} with "
+                f"a {type(payload).__name__}"
             )
         if self._pressure() >= Pressure.HARD:  # refuse before spending a prefill on it
             raise MemoryPressure(
                 "memory pressure is hard: no new generation starts; retry later or free memory",
                 code="memory_pressure",
             )
-        if op == "open":
-            return self._open(payload)
-        body, emulated = self._body(payload)
-        chat = "messages" in body
-        state = StreamState(chat=chat)
-        stopped: list[str] = []
-        slot, isolated = self._take_slot(body, payload.isolated, chat)
-        try:
-            self._call(chat, body, state, emit, cancelled, stopped, emulated)
-        finally:
-            self._give_slot(slot, isolated)
-        self._give_timings(state.timings)
-        if state.error is not None:
-            raise translate_error(state.error)
-        if stopped and stopped[0] == "pressure":
-            raise MemoryPressure(
-                "generation aborted: memory pressure is hard "
-                f"(after {state.tokens} tokens); retry later or free memory",
-                code="memory_pressure",
-            )
-        result = state.result("cancelled" if stopped else None)
-        usage = result["usage"]
-        usage["cached_tokens"] -= usage["cached_tokens"] % self._block
-        if emulated:
-            content, calls = parse_tool_reply(result["text"])
-            result["text"] = content
-            if calls:
-                result["tool_calls"] = calls
-                result["finish_reason"] = "tool_calls"
-                emit({"type": "delta", "tool_calls": _whole_call_deltas(calls)})
-            elif content:
-                emit({"type": "delta", "text": content})
-        elif result.get("tool_calls") and result["finish_reason"] == "stop":
-            result["finish_reason"] = "tool_calls"
-        return result
+        return {"ticket": self._open(payload)}
 
-    # ---- direct streams (server/direct.py) ----------------------------------------------
-
-    def _open(self, request: TextRequest) -> dict[str, Any]:
-        """Prepare a request that the server process sends to the engine's private socket
-        itself (no token crosses the runner pipe): pick and prepare its slot, and hand
-        back the engine request (``request.stream`` or one JSON answer). Requests whose
-        answer elbowroom must rewrite on the way (emulated tools, the no-template
-        transcript, logprobs) are declined: the server runs them through ``run`` instead."""
+    def _open(self, request: TextRequest) -> TextTicket:
+        """Prepare a request that the server sends to the engine's private socket itself (no
+        token crosses the runner pipe): pick and prepare its slot, and hand back the engine
+        request, always a stream. What the relay rewrites on the way is named in the
+        ticket: emulated tool calls (parsed at the end), a chat answered from the
+        no-template transcript (completion events)."""
         body, emulated = self._body(request)
         chat = "messages" in body
-        if emulated or (request.kind == "chat" and not chat) or request.logprobs is not None:
-            return {"direct": False}
+        transcript = request.kind == "chat" and not chat
         assert self._control is not None
-        body.pop("return_progress", None)  # progress chunks are for the in-runner path only
-        if not request.stream:
-            body["stream"] = False
-            body.pop("stream_options", None)
         slot, isolated = self._take_slot(body, request.isolated, chat)
         with self._lock:
             ticket = self._next_ticket = self._next_ticket + 1
             self._tickets[ticket] = (slot, isolated)
-            self._direct += 1
-        return {
-            "direct": True,
-            "ticket": ticket,
-            "socket": self._control.socket,
-            "key": self._control.key,
-            "path": "/v1/chat/completions" if chat else "/v1/completions",
-            "body": body,
-            "block_tokens": self._block,
-        }
+            counts = self._socket_streams
+            counts["all"] += 1
+            counts["logprobs"] += request.logprobs is not None
+            counts["emulated_tools"] += emulated
+            counts["transcript"] += transcript
+        return TextTicket(
+            ticket=ticket,
+            socket=self._control.socket,
+            key=self._control.key,
+            path="/v1/chat/completions" if chat else "/v1/completions",
+            body=body,
+            block_tokens=self._block,
+            emulated_tools=emulated,
+            transcript=transcript,
+        )
 
-    def _close(self, closing: DirectClose) -> dict[str, Any]:
-        """A direct stream ended (any way): give its slot back."""
+    def _close(self, closing: CloseTicket) -> dict[str, Any]:
+        """A request's events ended (any way): give its slot back."""
         with self._lock:
             entry = self._tickets.pop(closing.ticket, None)
         if entry is None:
@@ -360,7 +323,7 @@ class LlamaEngine:
             self._give_timings(closing.timings)
         return {"closed": True}
 
-    # ---- slots (one lifecycle for piped and direct requests) ---------------------------
+    # ---- slots ------------------------------------------------------------------------
 
     def _take_slot(self, body: dict[str, Any], isolated: bool, chat: bool) -> tuple[int, bool]:
         """A slot for ``body`` (set as its ``id_slot``), with its disk-tier state restored;
@@ -398,46 +361,6 @@ class LlamaEngine:
         if self._slot_pool is not None:
             self._slot_pool.observe_prefill(timings)
 
-    def _call(
-        self,
-        chat: bool,
-        body: dict[str, Any],
-        state: StreamState,
-        emit: Emit,
-        cancelled: Cancelled,
-        stopped: list[str],
-        emulated: bool,
-    ) -> None:
-        def on_chunk(raw: str) -> bool:
-            try:
-                chunk = json.loads(raw)
-            except ValueError:
-                state.error = {"code": 500, "message": f"unreadable engine output: {raw[:200]!r}"}
-                return True
-            for delta in state.feed(chunk if isinstance(chunk, dict) else {}):
-                if not emulated:  # emulated calls are parsed and emitted at the end
-                    emit(delta)
-            if state.error is not None:
-                return True
-            if cancelled():
-                stopped.append("cancelled")
-                return True
-            if self._pressure() >= Pressure.HARD:
-                stopped.append("pressure")
-                return True
-            return False
-
-        text = json.dumps(body)
-        try:
-            if chat:
-                self._server.handle_chat_completions(text, on_chunk)
-            else:
-                self._server.handle_completions(text, on_chunk)
-        except ValueError as exc:  # C++ std::invalid_argument: the request is malformed
-            raise BadRequest(f"the engine refused the request: {exc}") from exc
-        except Exception as exc:  # the binding raised instead of calling back
-            raise EngineError(f"llama.cpp failed: {exc}") from exc
-
     def _body(self, request: TextRequest) -> tuple[dict[str, Any], bool]:
         """llama.cpp's request for ``request`` (validated and clamped by the server:
         nothing is checked again here); True when tool calls are emulated."""
@@ -445,6 +368,8 @@ class LlamaEngine:
             "max_tokens": request.max_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},
+            # An event per prompt batch: a reader that leaves (a client gone, the hard
+            # pressure abort) is noticed between batches of a long prefill, not after it.
             "return_progress": True,
             "cache_prompt": True,
         }
@@ -563,10 +488,6 @@ def _schema_of(fmt: dict[str, Any]) -> dict[str, Any]:
     if fmt.get("type") == "json_schema":
         return dict((fmt.get("json_schema") or {}).get("schema") or {})
     return {"type": "object"} if fmt.get("type") == "json_object" else {}
-
-
-def _whole_call_deltas(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{"index": i, **call} for i, call in enumerate(calls)]
 
 
 def _fallback_prompt(messages: list[dict[str, Any]]) -> str:

@@ -31,9 +31,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from elbowroom.engines import events
 from elbowroom.engines.base import Cancelled, Emit, PressureLevel
 from elbowroom.engines.options import EngineOptions, MlxOptions, expect
-from elbowroom.engines.requests import DirectClose, Payload, TextRequest
+from elbowroom.engines.requests import CloseTicket, Payload, TextRequest, TextTicket
 from elbowroom.engines.stops import StopScanner
 from elbowroom.errors import (
     BadRequest,
@@ -327,14 +328,10 @@ class MlxEngine:
     def run(self, op: str, payload: Payload, emit: Emit, cancelled: Cancelled) -> dict[str, Any]:
         if self._model is None:
             raise EngineError("the model is not loaded")
-        if op == "open":  # the server's direct streams are llama.cpp's: the token path here
-            return {"direct": False}
-        if op == "close" and isinstance(payload, DirectClose):
+        if op == "close" and isinstance(payload, CloseTicket):
             return {}
-        if op not in ("chat", "completion") or not isinstance(payload, TextRequest):
-            raise BadRequest(
-                f"the mlx engine serves chat and completion with a TextRequest, not {op!r}"
-            )
+        if op != "open" or not isinstance(payload, TextRequest):
+            raise BadRequest(f"the mlx engine serves open with a TextRequest, not {op!r}")
         _refuse_unsupported(payload)
         if self._pressure() >= Pressure.HARD:
             raise MemoryPressure(
@@ -348,7 +345,7 @@ class MlxEngine:
                 if self._prefix is not None:  # back to the whole grant once pressure eased
                     self._prefix.set_ram_budget(budget_for_level(self._pressure(), self._ram_max))
                 try:
-                    return self._generate(payload, emit, cancelled)
+                    return self._events(payload, emit, cancelled)
                 finally:
                     if payload.isolated:  # cache_salt: its state is reused by nobody
                         self._held = []
@@ -360,6 +357,19 @@ class MlxEngine:
                 self._busy -= 1
                 self._served += 1
 
+    def _events(self, req: TextRequest, emit: Emit, cancelled: Cancelled) -> dict[str, Any]:
+        """``open``: no HTTP server here, so the events follow over the runner, in the shape
+        llama.cpp's server streams (engines/events.py): the relay reads both alike."""
+        block = self._prefix.block_tokens if self._prefix is not None else 1
+        emit({"type": "ticket", "ticket": TextTicket(ticket=0, socket=None, block_tokens=block)})
+
+        def send(delta: dict[str, Any]) -> None:
+            emit({"type": "events", "data": events.piece(req.kind, str(delta["text"]))})
+
+        result = self._generate(req, send, cancelled)
+        emit({"type": "events", "data": events.ending(req.kind, *result)})
+        return {}
+
     def _prompt(self, req: TextRequest) -> tuple[list[int], tuple[str, ...]]:
         tok = self._tok
         if req.kind == "completion":
@@ -370,7 +380,9 @@ class MlxEngine:
             return list(tok.encode(text, add_special_tokens=False)), ()
         return list(tok.encode(_fallback_prompt(messages))), FALLBACK_STOPS
 
-    def _generate(self, req: TextRequest, emit: Emit, cancelled: Cancelled) -> dict[str, Any]:
+    def _generate(
+        self, req: TextRequest, emit: Emit, cancelled: Cancelled
+    ) -> tuple[str, dict[str, int]]:
         mx = _mod("mlx.core")
         sampling = _mod("mlx_lm.sample_utils")
 
@@ -399,7 +411,7 @@ class MlxEngine:
         kept, restored = self._reuse(prompt, req.isolated)
         aborted = self._prefill(prompt, kept, cancelled)
         if aborted:
-            return self._finish(aborted, "", kept, prompt, 0)
+            return self._finish(aborted, kept, prompt, 0)
         prefill_s = time.perf_counter() - started
         if self._prefix is not None and len(prompt) - 1 - kept > 0 and not restored:
             self._prefix.observe_prefill(len(prompt) - 1 - kept, prefill_s)
@@ -463,7 +475,7 @@ class MlxEngine:
             piece += scanner.flush()
             if piece:
                 emit({"type": "delta", "text": piece})
-        return self._finish(finish, scanner.text, kept, prompt, n_out)
+        return self._finish(finish, kept, prompt, n_out)
 
     def _prefill(self, prompt: list[int], kept: int, cancelled: Cancelled) -> str | None:
         """Feed prompt[kept:-1] in chunks; the last token is the first decode step's input.
@@ -483,25 +495,16 @@ class MlxEngine:
         return None
 
     def _finish(
-        self, finish: str, text: str, kept: int, prompt: Sequence[int], n_out: int
-    ) -> dict[str, Any]:
+        self, finish: str, kept: int, prompt: Sequence[int], n_out: int
+    ) -> tuple[str, dict[str, int]]:
         if finish == "pressure":
             raise MemoryPressure(
                 f"generation aborted: memory pressure is hard (after {n_out} tokens); retry "
                 "later or free memory",
                 code="memory_pressure",
             )
-        block = self._prefix.block_tokens if self._prefix is not None else 1
-        return {
-            "text": text,
-            "finish_reason": finish,
-            "usage": {
-                "prompt_tokens": len(prompt),
-                "completion_tokens": n_out,
-                # Whole blocks only: exact counts would let a client probe another's prompt.
-                "cached_tokens": kept - kept % block,
-            },
-        }
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": n_out, "cached_tokens": kept}
+        return finish, usage  # the relay rounds cached_tokens to whole blocks
 
 
 def _mod(name: str) -> Any:

@@ -1,7 +1,7 @@
 """PURE: the typed requests the server hands an engine, across the runner pipe.
 
 Every body is validated once, in the server, and turned into one of these objects:
-- ``TextRequest`` (chat, completion, open): the server's schemas (server/schemas.py), built
+- ``TextRequest`` (open): the server's schemas (server/schemas.py), built
   in one place (``server/text_calls.engine_request``, which also applies the one
   ``max_tokens`` clamp); the LLM engine translates it into llama.cpp's request
   (engines/llama.py ``_body``);
@@ -53,12 +53,33 @@ class TextRequest:
     # Alternatives per token the engine reports (>= 1: it sends none for 0); None: no logprobs.
     logprobs: int | None = None
     isolated: bool = False  # cache_salt: shares no KV state with any other request
-    stream: bool = False  # for ``open`` (server/direct.py): the engine streams its answer
+    stream: bool = False  # the client's wish (the engine always streams to the relay)
 
 
 @dataclass(frozen=True, slots=True)
-class DirectClose:
-    """A direct stream ended (server/direct.py): give its slot back."""
+class TextTicket:
+    """The LLM engine's answer to ``open`` (its only text operation): the slot is chosen and
+    restored, and this says where the request's events come from (runtime/engine_events.py).
+
+    ``socket`` set: the engine's private Unix socket; the server posts ``body`` to ``path``
+    with ``key`` and reads llama.cpp's own SSE events, and ``close`` with this ``ticket``
+    gives the slot back. ``socket`` None: the events follow over the runner itself, as
+    ``{"type": "events", "data": bytes}`` items in the same SSE shape (an engine without
+    an HTTP server: MLX; or a node's runner relayed by its agent)."""
+
+    ticket: int
+    socket: str | None
+    key: str = ""
+    path: str = ""  # /v1/chat/completions or /v1/completions
+    body: dict[str, Any] | None = None
+    block_tokens: int = 1  # cached_tokens are reported in whole blocks of this many tokens
+    emulated_tools: bool = False  # the reply is a JSON call object: parsed at the end
+    transcript: bool = False  # a chat answered from a transcript prompt (completion events)
+
+
+@dataclass(frozen=True, slots=True)
+class CloseTicket:
+    """A request's events ended (any way): give its slot back."""
 
     ticket: int
     timings: dict[str, Any] | None = None  # the engine's prefill timings, for the cost model
@@ -105,7 +126,7 @@ class EmbedRequest:
     inputs: tuple[str | tuple[int, ...], ...]
 
 
-Payload = TextRequest | DirectClose | TranscribeRequest | SpeechRequest | EmbedRequest
+Payload = TextRequest | CloseTicket | TranscribeRequest | SpeechRequest | EmbedRequest
 
 _P = TypeVar("_P", TextRequest, TranscribeRequest, SpeechRequest, EmbedRequest)
 

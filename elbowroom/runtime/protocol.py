@@ -3,7 +3,7 @@
 The runner's process is started with the spec and the options of its engine's kind
 (engines/options.py). Wire messages on the pipe between supervisor (parent) and worker
 (child) are dicts; a request's payload is typed (engines/requests.py: ``TextRequest``,
-``DirectClose``, ``TranscribeRequest``, ``SpeechRequest`` or ``EmbedRequest``):
+``CloseTicket``, ``TranscribeRequest``, ``SpeechRequest`` or ``EmbedRequest``):
 
 parent -> child: {"op": "run", "id": int, "kind": str, "payload": Payload}
                  {"op": "cancel", "id": int}

@@ -72,11 +72,6 @@ def spawn_worker(
     return proc
 
 
-def _plain_text(delta: dict[str, Any]) -> bool:
-    """A delta that is only text (no tool calls, logprobs, ...): safe to concatenate."""
-    return isinstance(delta.get("text"), str) and delta.keys() <= {"type", "text"}
-
-
 OOM_KILLED = "killed by the kernel's OOM killer"
 
 
@@ -147,10 +142,6 @@ class Supervisor(RunnerStatus):
         self._send_lock = threading.Lock()
         self._level = 0
         self._pressure_watchers: set[Callable[[int], None]] = set()
-
-    # The server may read an engine's stream straight from its socket (server/direct.py):
-    # the engine's socket is on this machine.
-    direct_streams = True
 
     # ---- Runner properties -------------------------------------------------------------
 
@@ -284,29 +275,14 @@ class Supervisor(RunnerStatus):
         try:
             # A send to a dead process is fine: the exit notice arrives on the channel.
             self._send_quietly({"op": "run", "id": rid, "kind": kind, "payload": payload})
-            held: Any = None  # a message taken while merging, to handle next
             while True:
-                msg, held = (held, None) if held is not None else (await channel.get(), None)
+                msg = await channel.get()
                 if isinstance(msg, _Exited):
                     answered = True
                     raise self._crashed(msg.cause, stopped=msg.stopped)
                 event = msg.get("event")
                 if event == "delta":
-                    data = msg["data"]
-                    # Text deltas that queued up while the consumer was busy (a fast GPU, many
-                    # streams) leave as one: one SSE event and one write instead of several.
-                    while _plain_text(data) and not channel.empty():
-                        nxt = channel.get_nowait()
-                        if (
-                            isinstance(nxt, dict)
-                            and nxt.get("event") == "delta"
-                            and _plain_text(nxt["data"])
-                        ):
-                            data = {**data, "text": data["text"] + nxt["data"]["text"]}
-                        else:
-                            held = nxt
-                            break
-                    yield data
+                    yield msg["data"]
                 elif event == "done":
                     answered = True
                     yield {"type": "done", **msg["data"]}
@@ -344,7 +320,8 @@ class Supervisor(RunnerStatus):
 
     def watch_pressure(self, watcher: Callable[[int], None]) -> Callable[[], None]:
         """Call ``watcher(level)`` on every pressure change until the returned function is
-        called: direct streams (which bypass the runner's own pressure check) abort on it."""
+        called: a request relayed from the engine's socket (runtime/engine_events.py) aborts
+        on it."""
         self._pressure_watchers.add(watcher)
         if self._level:
             watcher(self._level)
@@ -352,7 +329,7 @@ class Supervisor(RunnerStatus):
 
     async def exit_within(self, timeout: float) -> str | None:
         """The exit cause, once the death of the process has been seen (None if it is still
-        alive after ``timeout`` seconds). A direct stream sees its engine's socket close a
+        alive after ``timeout`` seconds). A relayed request sees its engine's socket close a
         moment before this reader thread reaps the process."""
         return self._exit_cause if await self._wait_exit(timeout) else None
 
@@ -436,7 +413,7 @@ class Supervisor(RunnerStatus):
         if self._proc is not None:
             # The reader reaped it. A spawned child's Popen holds two pipe fds until the
             # Process object is collected, and a stopped runner often sits in a reference
-            # cycle (a stream's frame, a DirectStream) that only a full collection frees:
+            # cycle (a stream's frame, a Relay) that only a full collection frees:
             # the soak benchmark counted 4 such fds after every idle-out. Release them now.
             self._proc.close()
         stopped = self._state is RunnerState.STOPPING

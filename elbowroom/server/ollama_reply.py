@@ -1,33 +1,20 @@
-"""The body of one Ollama /api/chat or /api/generate answer: its NDJSON chunks, the final
-object with Ollama's counts and durations, and the stream that holds the runner while it
-is read (errors after the first byte are its last line)."""
+"""The body of one Ollama /api/chat or /api/generate answer: its NDJSON chunks and the
+final object with Ollama's counts and durations (server/relay.py ``OllamaRewriter`` feeds
+it the engine's events; errors after the first byte are the stream's last line)."""
 
 from __future__ import annotations
 
-import asyncio
-import json
-import logging
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
-from elbowroom.errors import ElbowroomError
 from elbowroom.server import ollama_shapes as shapes
-from elbowroom.server.metrics import record_tokens
-from elbowroom.server.ollama_paths import error_body
-from elbowroom.server.sse import Generation, ManagedStream
-
-log = logging.getLogger("elbowroom.server")
+from elbowroom.server.sse import ManagedStream
 
 
 class NdjsonStream(ManagedStream):
     """Ollama streams newline-delimited JSON objects, not server-sent events."""
 
     media_type = "application/x-ndjson"
-
-
-def _line(obj: dict[str, Any]) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
 
 
 class Timing:
@@ -100,39 +87,3 @@ class Reply:
         if include_text and self.logprobs:
             out["logprobs"] = shapes.logprobs_to_ollama(self.logprobs)
         return out
-
-    async def collect(self, generation: Generation) -> dict[str, Any]:
-        async for item in generation.events():
-            if item.get("type") == "done":
-                return dict(item)
-            self.chunk(item)
-        raise ElbowroomError("the runner ended the request without a result")
-
-
-async def stream_reply(generation: Generation, reply: Reply, model_id: str) -> AsyncIterator[bytes]:
-    failure: BaseException | None = None
-    try:
-        async for item in generation.events():
-            if item.get("type") == "done":
-                record_tokens(model_id, item.get("usage"))
-                tools = reply.tool_chunk(item)
-                if tools is not None:
-                    yield _line(tools)
-                yield _line(reply.final(item, include_text=False))
-                return
-            chunk = reply.chunk(item)
-            if chunk is not None:
-                yield _line(chunk)
-        raise ElbowroomError("the runner ended the stream without a result")
-    except ElbowroomError as err:
-        failure = err  # headers are gone: the error is the stream's last line
-        yield _line(error_body(err))
-    except (GeneratorExit, asyncio.CancelledError):
-        log.info("client went away mid-stream: cancelling the generation on %s", model_id)
-        raise
-    except Exception as err:
-        failure = err
-        log.exception("unexpected error while streaming", exc_info=err)
-        yield _line({"error": "The server had an unexpected error; it has been logged."})
-    finally:
-        await generation.release(failure)

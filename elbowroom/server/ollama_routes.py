@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from elbowroom import __version__
+from elbowroom.engines.requests import TextTicket
 from elbowroom.errors import BadRequest, ElbowroomError, ModelNotFound
 from elbowroom.models.spec import ModelKind, ModelSpec
 from elbowroom.server import admin_routes
@@ -31,14 +32,15 @@ from elbowroom.server.deps import ContextFitter, Services, get_services, parse_k
 from elbowroom.server.embeddings_routes import check_inputs
 from elbowroom.server.errors import validation_to_bad_request
 from elbowroom.server.images import check_chat_images
-from elbowroom.server.metrics import record_model, record_tokens
+from elbowroom.server.metrics import record_model
 from elbowroom.server.model_calls import run_once
 from elbowroom.server.ollama_paths import error_body, strip_tag
-from elbowroom.server.ollama_reply import NdjsonStream, Reply, Timing, stream_reply
+from elbowroom.server.ollama_reply import NdjsonStream, Reply, Timing
 from elbowroom.server.parsed_json import ParsedJSONRoute
+from elbowroom.server.relay import OllamaRewriter, Relay
 from elbowroom.server.schemas import ChatCompletionRequest, CompletionRequest, refuse_absurd
-from elbowroom.server.sse import ClientGone, gone_response, open_generation, unless_client_leaves
-from elbowroom.server.text_calls import engine_request, whole_answer
+from elbowroom.server.sse import ClientGone, gone_response, unless_client_leaves
+from elbowroom.server.text_calls import engine_request
 
 log = logging.getLogger("elbowroom.server")
 
@@ -288,17 +290,20 @@ async def _text(
 
     started = time.perf_counter_ns()
     was_loaded = services.scheduler.runner(spec.id) is not None
-    generation = await open_generation(services.scheduler, spec.id, keep_alive, text)
-    timing = Timing(started, time.perf_counter_ns(), was_loaded)
-    reply = Reply(body.model, chat=isinstance(body, shapes.ChatBody), timing=timing)
+    chat = isinstance(body, shapes.ChatBody)
+    reply: Reply | None = None
+
+    def rewriter(ticket: TextTicket) -> OllamaRewriter:
+        nonlocal reply
+        timing = Timing(started, time.perf_counter_ns(), was_loaded)
+        reply = Reply(body.model, chat=chat, timing=timing)
+        return OllamaRewriter(ticket, reply, text.kind, spec.id)
+
+    relay = await Relay.open(services.scheduler, spec.id, keep_alive, text, rewriter)
     if body.stream:
-        return NdjsonStream(stream_reply(generation, reply, spec.id))
-    where = f"a request on {spec.id}"
-    done = await whole_answer(request, reply.collect(generation), generation.release, where)
-    if done is None:
-        return gone_response()
-    record_tokens(spec.id, done.get("usage"))
-    return JSONResponse(reply.final(done, include_text=True))
+        return NdjsonStream(relay.stream(), release=relay.release)
+    done = await relay.collect(request)
+    return gone_response() if done is None else JSONResponse(done)
 
 
 def _engine_messages(

@@ -2,38 +2,27 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from elbowroom.errors import BadRequest, ElbowroomError, ModelNotFound
+from elbowroom.engines.requests import TextTicket
+from elbowroom.errors import BadRequest, ModelNotFound
 from elbowroom.models.spec import ModelKind, ModelSpec
 from elbowroom.models.vision import capabilities
 from elbowroom.server.deps import get_services, parse_keep_alive
-from elbowroom.server.direct import open_direct
-from elbowroom.server.errors import public_error
 from elbowroom.server.images import check_chat_images
-from elbowroom.server.metrics import record_model, record_tokens
+from elbowroom.server.metrics import record_model
 from elbowroom.server.model_calls import alias_target
 from elbowroom.server.parsed_json import ParsedJSONRoute
+from elbowroom.server.relay import OpenAIRewriter, Relay
 from elbowroom.server.schemas import ChatCompletionRequest, CompletionRequest, refuse_absurd
 from elbowroom.server.shapes import Envelope, Logprobs
-from elbowroom.server.sse import (
-    DONE,
-    Generation,
-    ManagedStream,
-    abandon,
-    gone_response,
-    hold_runner,
-    sse,
-    start_generation,
-)
-from elbowroom.server.text_calls import engine_request, whole_answer
+from elbowroom.server.sse import ManagedStream, gone_response
+from elbowroom.server.text_calls import engine_request
 
 log = logging.getLogger("elbowroom.server")
 
@@ -100,41 +89,16 @@ async def _generate(request: Request, body: ChatCompletionRequest | CompletionRe
     top = body.top_count()
     view = Logprobs(text.kind, top) if top is not None else None
 
-    runner, stack = await hold_runner(services.scheduler, spec.id, keep_alive)
-    if settings.direct_streams:
-        try:
-            direct = await open_direct(runner, stack, spec.id, text, body.include_usage())
-        except BaseException as exc:
-            await abandon(stack, exc)
-            raise
-        if direct is not None and text.stream:
-            return ManagedStream(direct, release=direct.release)
-        if direct is not None:
-            answer = await whole_answer(
-                request, direct.answer(), direct.release, f"a request on {spec.id}"
-            )
-            return gone_response() if answer is None else JSONResponse(answer)
-    generation = await start_generation(runner, stack, text)
+    include_usage = body.include_usage()
+
+    def rewriter(ticket: TextTicket) -> OpenAIRewriter:
+        return OpenAIRewriter(ticket, envelope, include_usage, view, streamed=text.stream)
+
+    relay = await Relay.open(services.scheduler, spec.id, keep_alive, text, rewriter)
     if text.stream:
-        return ManagedStream(
-            _stream(generation, envelope, body.include_usage(), view), release=generation.release
-        )
-    done = await whole_answer(
-        request, _collect(generation), generation.release, f"{envelope.id} on {spec.id}"
-    )
-    if done is None:
-        return gone_response()
-    record_tokens(spec.id, done.get("usage"))
-    return JSONResponse(
-        envelope.response(
-            str(done.get("text", "")),
-            done.get("finish_reason"),
-            done.get("usage", {}),
-            tool_calls=done.get("tool_calls") or None,
-            logprobs=view.render(done.get("logprobs") or []) if view is not None else None,
-            reasoning=done.get("reasoning") or None,
-        )
-    )
+        return ManagedStream(relay.stream(), release=relay.release)
+    answer = await relay.collect(request)
+    return gone_response() if answer is None else JSONResponse(answer)
 
 
 def _text_model(catalog: Any, model_id: str) -> ModelSpec:
@@ -183,93 +147,3 @@ def _check_for_model(spec: ModelSpec, body: ChatCompletionRequest | CompletionRe
             param="logit_bias",
             code="invalid_value",
         )
-
-
-async def _collect(generation: Generation) -> dict[str, Any]:
-    pieces: list[str] = []
-    async for item in generation.events():
-        if item.get("type") == "done":
-            done = dict(item)
-            done.setdefault("text", "".join(pieces))
-            return done
-        pieces.append(str(item.get("text", "")))
-    raise ElbowroomError("the runner ended the request without a result")
-
-
-def _late_chunk(
-    envelope: Envelope,
-    done: dict[str, Any],
-    view: Logprobs | None,
-    streamed_logprobs: int,
-    streamed_calls: bool,
-    include_usage: bool,
-) -> dict[str, Any] | None:
-    """What the engine reported only with its result (emulated tool calls are parsed from
-    the whole reply), as one chunk before the last, so a stream adds up to the whole answer."""
-    entries = list(done.get("logprobs") or ())[streamed_logprobs:] if view is not None else []
-    calls = None if streamed_calls else done.get("tool_calls")
-    if not entries and not calls:
-        return None
-    return envelope.chunk(
-        None,
-        include_usage=include_usage,
-        tool_calls=[{"index": i, **c} for i, c in enumerate(calls)] if calls else None,
-        logprobs=view.render(entries) if view is not None and entries else None,
-    )
-
-
-async def _stream(
-    generation: Generation, envelope: Envelope, include_usage: bool, view: Logprobs | None
-) -> AsyncIterator[bytes]:
-    failure: BaseException | None = None
-    streamed_logprobs = 0
-    streamed_calls = False
-    try:
-        if envelope.kind == "chat":
-            yield sse(envelope.chunk("", first=True, include_usage=include_usage))
-        async for item in generation.events():
-            if item.get("type") == "done":
-                record_tokens(envelope.model, item.get("usage"))
-                late = _late_chunk(
-                    envelope, item, view, streamed_logprobs, streamed_calls, include_usage
-                )
-                if late is not None:
-                    yield sse(late)
-                finish = item.get("finish_reason")
-                yield sse(envelope.chunk(None, finish, include_usage=include_usage))
-                if include_usage:
-                    yield sse(envelope.usage_chunk(item.get("usage", {})))
-                yield DONE
-                return
-            text = str(item.get("text") or "")
-            calls = item.get("tool_calls") or None
-            entries = item.get("logprobs") or None
-            reasoning = item.get("reasoning") or None
-            if not (text or calls or reasoning or (entries and view is not None)):
-                continue
-            streamed_calls = streamed_calls or bool(calls)
-            streamed_logprobs += len(entries or ())
-            yield sse(
-                envelope.chunk(
-                    text if text or envelope.kind == "completion" else None,
-                    include_usage=include_usage,
-                    tool_calls=calls,
-                    logprobs=view.render(entries) if view is not None and entries else None,
-                    reasoning=reasoning,
-                )
-            )
-        raise ElbowroomError("the runner ended the stream without a result")
-    except ElbowroomError as err:
-        # Headers are gone already: the error becomes the stream's last event.
-        failure = err
-        yield sse(public_error(err, f"stream {envelope.id}").to_openai())
-    except (GeneratorExit, asyncio.CancelledError):
-        # The client went away: closing the runner's iterator (in release) cancels the work.
-        log.info("client went away mid-stream: cancelling %s on %s", envelope.id, envelope.model)
-        raise
-    except Exception as err:
-        failure = err
-        yield sse(public_error(err, f"stream {envelope.id}").to_openai())
-    finally:
-        # A disconnect (GeneratorExit / cancellation) is a normal release for the scheduler.
-        await generation.release(failure)

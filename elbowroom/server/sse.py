@@ -1,13 +1,9 @@
-"""Server-sent events, and holding a runner for exactly as long as a stream lives.
-
-``open_generation`` takes the model through the scheduler and waits for the runner's first
-event *before* any byte is sent, so errors that happen up front (unknown model, 507, queue
-full, a prompt over the context) still get their real HTTP status. After that, errors travel
-as one ``data: {"error": ...}`` event and the stream ends.
+"""Server-sent events, a streamed response that always ends what it holds, and a
+non-streamed answer awaited while the client may leave.
 
 ``ManagedStream`` closes its body iterator when the response ends for any reason: on a
-client disconnect Starlette abandons the iterator, and closing it is what tells the runner
-to stop generating (the runner's request iterator cancels on close).
+client disconnect Starlette abandons the iterator, and closing it (and its ``release``) is
+what ends the request (server/relay.py ``Relay.release``: the engine stops generating).
 """
 
 from __future__ import annotations
@@ -17,21 +13,12 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
-
-from elbowroom.errors import ElbowroomError
-
-if TYPE_CHECKING:
-    from elbowroom.engines.requests import TextRequest
-    from elbowroom.runtime.protocol import Runner
-    from elbowroom.server.deps import SchedulerService
 
 log = logging.getLogger("elbowroom.server")
 
@@ -55,8 +42,8 @@ async def _disconnected(request: Request) -> None:
 
 async def unless_client_leaves(request: Request, work: Awaitable[Any]) -> Any:
     """Await ``work`` (collecting a non-streamed answer); if the client disconnects first,
-    cancel it and raise ClientGone. A non-streamed generation is cancelled like a stream's:
-    closing the runner's iterator (in ``Generation.release``) stops the engine."""
+    cancel it and raise ClientGone. A non-streamed generation is cancelled like a stream's
+    (``Relay.release`` closes the engine connection)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
@@ -77,76 +64,6 @@ async def unless_client_leaves(request: Request, work: Awaitable[Any]) -> Any:
 def gone_response() -> Response:
     """What a handler returns for a client that left: nobody reads it (nginx's 499)."""
     return Response(status_code=499)
-
-
-@dataclass(slots=True)
-class Generation:
-    """A runner held for one request: its first event and the rest of its events."""
-
-    first: dict[str, Any]
-    rest: AsyncIterator[dict[str, Any]]
-    _stack: AsyncExitStack
-    _released: bool = False
-
-    async def events(self) -> AsyncIterator[dict[str, Any]]:
-        yield self.first
-        async for item in self.rest:
-            yield item
-
-    async def release(self, exc: BaseException | None = None) -> None:
-        """Close the runner's iterator (cancelling its work), then give the model back to the
-        scheduler. Shielded: it runs while the request task is being cancelled. Only the
-        first call does anything."""
-        if self._released:
-            return
-        self._released = True
-        with anyio.CancelScope(shield=True):
-            try:
-                if exc is None:
-                    await self._stack.aclose()
-                else:
-                    await self._stack.__aexit__(type(exc), exc, exc.__traceback__)
-            except Exception:
-                log.exception("error while releasing a runner")
-
-
-async def hold_runner(
-    scheduler: SchedulerService, model: str, keep_alive: float | None
-) -> tuple[Runner, AsyncExitStack]:
-    """The model's runner, claimed from the scheduler until the returned stack closes."""
-    stack = AsyncExitStack()
-    runner = await stack.enter_async_context(scheduler.use(model, keep_alive=keep_alive))
-    return runner, stack
-
-
-async def abandon(stack: AsyncExitStack, exc: BaseException) -> None:
-    """Give a held runner back after ``exc`` (shielded: it runs while being cancelled)."""
-    with anyio.CancelScope(shield=True):
-        await stack.__aexit__(type(exc), exc, exc.__traceback__)
-
-
-async def open_generation(
-    scheduler: SchedulerService, model: str, keep_alive: float | None, request: TextRequest
-) -> Generation:
-    runner, stack = await hold_runner(scheduler, model, keep_alive)
-    return await start_generation(runner, stack, request)
-
-
-async def start_generation(
-    runner: Runner, stack: AsyncExitStack, request: TextRequest
-) -> Generation:
-    """Send the request to the held runner and wait for its first event."""
-    try:
-        rest = runner.request(request.kind, request)
-        stack.push_async_callback(_aclose, rest)
-        first = await rest.__anext__()
-    except StopAsyncIteration:
-        await stack.aclose()
-        raise ElbowroomError("the runner ended the request without a result") from None
-    except BaseException as exc:
-        await abandon(stack, exc)
-        raise
-    return Generation(first, rest, stack)
 
 
 async def _aclose(iterator: AsyncIterator[Any]) -> None:

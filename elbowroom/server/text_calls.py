@@ -1,6 +1,5 @@
 """What the OpenAI and Ollama text routes share: the engine's request built from a validated
-body (with the one ``max_tokens`` clamp), and a non-streamed answer collected while the
-client may still leave.
+body (with the one ``max_tokens`` clamp); both then run it through server/relay.py.
 
 Route -> engine, for /v1/chat/completions, /v1/completions, /api/chat and /api/generate:
 the body is validated by ``server/schemas.py`` (Ollama's first translated into it),
@@ -10,20 +9,11 @@ that into llama.cpp's request without checking it again.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Awaitable, Callable
 from typing import Any
-
-from starlette.requests import Request
 
 from elbowroom.config import Settings
 from elbowroom.engines.requests import TextRequest
 from elbowroom.server.schemas import ChatCompletionRequest, CompletionRequest
-from elbowroom.server.sse import ClientGone, unless_client_leaves
-
-log = logging.getLogger("elbowroom.server")
-
-Release = Callable[[BaseException | None], Awaitable[None]]
 
 
 def engine_request(
@@ -39,22 +29,3 @@ def engine_request(
     requested, _ = body.requested_max_tokens()
     cap = settings.max_tokens_cap
     return body.to_engine(min(requested or cap, cap), messages)
-
-
-async def whole_answer(
-    request: Request, work: Awaitable[dict[str, Any]], release: Release, where: str
-) -> dict[str, Any] | None:
-    """``work``'s result (a non-streamed answer), with the runner given back by
-    ``release`` however it ends; None when the client left first (its work is cancelled:
-    answer with ``sse.gone_response``)."""
-    try:
-        done: dict[str, Any] = await unless_client_leaves(request, work)
-    except ClientGone:
-        log.info("client went away before its answer: cancelled %s", where)
-        await release(None)
-        return None
-    except BaseException as exc:
-        await release(exc)
-        raise
-    await release(None)
-    return done

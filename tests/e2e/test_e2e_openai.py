@@ -55,7 +55,7 @@ def test_chat_streaming_with_usage(server: ServerProcess) -> None:
     # A system prompt longer than one 64-token cache block, so the repeat has cached tokens.
     msgs = [{"role": "system", "content": "You answer briefly and kindly. " * 16}, *HI]
     server.openai().chat.completions.create(model=MODEL, messages=msgs, max_tokens=1)
-    direct_before = _engine_stats(server)["direct_streams"]
+    direct_before = _engine_stats(server)["socket_streams"]["all"]
     stream = server.openai().chat.completions.create(
         model=MODEL,
         messages=msgs,
@@ -65,8 +65,8 @@ def test_chat_streaming_with_usage(server: ServerProcess) -> None:
         stream_options={"include_usage": True},
     )
     chunks = list(stream)
-    # Relayed straight from the engine's socket (server/direct.py), not through the pipe.
-    assert _engine_stats(server)["direct_streams"] == direct_before + 1
+    # Relayed straight from the engine's socket (runtime/engine_events.py).
+    assert _engine_stats(server)["socket_streams"]["all"] == direct_before + 1
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text.strip()

@@ -57,6 +57,14 @@ def client(server: ServerProcess) -> openai.OpenAI:
     return server.openai()
 
 
+def socket_streams(server: ServerProcess, model: str = MODEL) -> dict[str, int]:
+    """The engine's count of requests relayed from its own socket, in all and by what the
+    relay rewrites (engines/llama.py ``open``): the path each request took."""
+    (row,) = [r for r in server.ps() if r["id"] == model]
+    counts: dict[str, int] = row["engine_stats"]["socket_streams"]
+    return counts
+
+
 def assert_valid_call(name: str, arguments: str, tools: list[dict[str, Any]]) -> dict[str, Any]:
     """A call to one of ``tools`` whose arguments are a JSON object with the required keys of
     that tool's schema, each of the declared type."""
@@ -127,7 +135,7 @@ def test_json_object_output_parses(client: openai.OpenAI) -> None:
     ids=["required", "named", "auto"],
 )
 def test_tool_choice_yields_a_valid_call_streamed_the_same(
-    client: openai.OpenAI, tools: Any, choice: Any
+    client: openai.OpenAI, server: ServerProcess, tools: Any, choice: Any
 ) -> None:
     kw: Any = {"model": MODEL, "messages": ASK, "tools": tools, "tool_choice": choice}
     kw.update(max_tokens=60, temperature=0)
@@ -145,7 +153,13 @@ def test_tool_choice_yields_a_valid_call_streamed_the_same(
     if choice != "required":
         return  # every emulated call streams the same way (one delta at the end): once is enough
 
+    before = socket_streams(server)
     chunks = list(client.chat.completions.create(**kw, stream=True))
+    after = socket_streams(server)
+    # Emulated calls are read from the engine's socket like every request (and parsed at
+    # the end by the relay), not carried token by token through the runner.
+    assert after["emulated_tools"] == before["emulated_tools"] + 1
+    assert after["all"] == before["all"] + 1
     name, arguments, ids = "", "", set()
     for chunk in chunks:
         for d in chunk.choices[0].delta.tool_calls or () if chunk.choices else ():
@@ -191,7 +205,8 @@ def test_a_tool_result_turn_reaches_the_model(client: openai.OpenAI) -> None:
     assert out.usage.prompt_tokens > bare.usage.prompt_tokens + 10  # the call and its result
 
 
-def test_chat_logprobs_whole_and_streamed(client: openai.OpenAI) -> None:
+def test_chat_logprobs_whole_and_streamed(client: openai.OpenAI, server: ServerProcess) -> None:
+    before = socket_streams(server)
     kw: Any = {
         "model": MODEL,
         "messages": [{"role": "user", "content": "Say hello."}],
@@ -220,6 +235,9 @@ def test_chat_logprobs_whole_and_streamed(client: openai.OpenAI) -> None:
     none = client.chat.completions.create(**{**kw, "top_logprobs": 0})
     assert none.choices[0].logprobs is not None
     assert [t.top_logprobs for t in none.choices[0].logprobs.content or ()] == [[]] * 4
+    # All three (whole, streamed, no alternatives) came from the engine's socket.
+    after = socket_streams(server)
+    assert after["logprobs"] == before["logprobs"] + 3 and after["all"] == before["all"] + 3
 
 
 def test_completion_legacy_logprobs(client: openai.OpenAI) -> None:
@@ -293,18 +311,38 @@ def test_refusals_are_400s_naming_the_param(client: openai.OpenAI, server: Serve
     assert server.http().get("/health").json() == {"status": "ok"}
 
 
-def test_logprobs_on_a_model_without_chat_template(client: openai.OpenAI) -> None:
+def test_logprobs_on_a_model_without_chat_template(
+    client: openai.OpenAI, server: ServerProcess
+) -> None:
     """gemma3-270m has no chat template: chat runs through the completion endpoint, which
-    names logprobs differently; they must still come back."""
+    names logprobs differently; they must still come back, streamed too, read from the
+    engine's socket."""
     if "gemma3-270m" not in {m.id for m in client.models.list().data}:
         pytest.skip("the gemma3 chunk packages are not installed")
-    out = client.chat.completions.create(
-        model="gemma3-270m",
-        messages=[{"role": "user", "content": "Hi"}],
-        max_tokens=2,
-        temperature=0,
-        logprobs=True,
-        top_logprobs=2,
-    )
+    kw: Any = {
+        "model": "gemma3-270m",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 2,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    out = client.chat.completions.create(**kw)
     lp = out.choices[0].logprobs
     assert lp is not None and lp.content and all(len(t.top_logprobs) == 2 for t in lp.content)
+    before = socket_streams(server, "gemma3-270m")
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert chunks[0].object == "chat.completion.chunk"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = [
+        t.token
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content or ()
+    ]
+    assert streamed == [t.token for t in lp.content]  # greedy: the same tokens
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == out.choices[0].message.content
+    after = socket_streams(server, "gemma3-270m")
+    assert after["transcript"] == before["transcript"] + 1
+    assert after["logprobs"] == before["logprobs"] + 1

@@ -169,7 +169,7 @@ def test_chat_with_png_and_jpeg_counts_the_image_tokens(vision: Vision) -> None:
     usage = [c.usage for c in chunks if c.usage is not None]
     assert usage and usage[-1].prompt_tokens >= PER_IMAGE
     after = next(r for r in vision.server.ps() if r["id"] == VLM)["engine_stats"]
-    assert after["direct_streams"] == direct["direct_streams"] + 1
+    assert after["socket_streams"]["all"] == direct["socket_streams"]["all"] + 1
 
 
 def test_footprint_predicted_vs_measured_with_and_without_an_image(vision: Vision) -> None:

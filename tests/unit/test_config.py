@@ -86,3 +86,17 @@ def test_event_loop_choice() -> None:
         assert isinstance(runner.get_loop(), uvloop.Loop)
     with pytest.raises(ConfigError, match="event_loop"):
         load_settings(environ={"ELBOWROOM_EVENT_LOOP": "trio"})
+
+
+def test_a_removed_setting_is_refused_naming_why(tmp_path: Path) -> None:
+    """direct_streams chose between two request paths; there is one now (server/relay.py).
+    A config that still names it learns that, wherever it is set."""
+    toml = tmp_path / "config.toml"
+    toml.write_text("direct_streams = false\n")
+    for kwargs in (
+        {"config_file": toml, "environ": {}},
+        {"environ": {"ELBOWROOM_DIRECT_STREAMS": "false"}},
+        {"flags": {"direct_streams": False}, "environ": {}},
+    ):
+        with pytest.raises(ConfigError, match=r"(?i)direct_streams.* was removed: every chat"):
+            load_settings(**kwargs)  # type: ignore[arg-type]

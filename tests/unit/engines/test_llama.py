@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -19,12 +20,13 @@ import xllamacpp  # noqa: F401  (a hard dependency: a broken install fails, neve
 from bundled_models import bundled_spec
 
 from elbowroom.config import Settings
-from elbowroom.engines.llama import FALLBACK_STOPS, LlamaEngine, _fallback_prompt
+from elbowroom.engines.llama import FALLBACK_STOPS, LlamaEngine, _fallback_prompt, translate_error
 from elbowroom.engines.llama_control import _UnixConnection
 from elbowroom.engines.options import LlamaOptions
-from elbowroom.engines.requests import EmbedRequest, TextRequest
+from elbowroom.engines.requests import CloseTicket, EmbedRequest, TextRequest, TextTicket
 from elbowroom.errors import BadRequest, ContextOverflow, MemoryPressure
 from elbowroom.models.spec import ModelSpec
+from elbowroom.server.relay import Answer
 
 N_CTX = 512
 SLOTS = 2
@@ -66,19 +68,48 @@ def normal_pressure(pressure: Pressure) -> None:
 
 
 def run(
-    engine: LlamaEngine, request: TextRequest, cancel_after: int | None = None
+    engine: LlamaEngine,
+    request: TextRequest,
+    cancel_after: int | None = None,
+    on_piece: Callable[[str], None] | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
+    """``open``, then the engine's own events read from its socket (as the server's relay
+    reads them; stopping early closes the connection), then ``close``."""
+    ticket = engine.run("open", request, no_emit, lambda: False)["ticket"]
+    assert isinstance(ticket, TextTicket) and ticket.socket is not None
     deltas: list[str] = []
+    answer = Answer("m", chat_events=request.kind == "chat" and not ticket.transcript, block=1)
+    cancelled = False
+    conn = _UnixConnection(ticket.socket, 300)
+    try:
+        headers = {"Authorization": f"Bearer {ticket.key}", "Content-Type": "application/json"}
+        conn.request("POST", ticket.path, body=json.dumps(ticket.body), headers=headers)
+        response = conn.getresponse()
+        if response.status != 200:
+            err = json.loads(response.read()).get("error") or {}
+            raise translate_error({"code": response.status, **err})
+        for line in response:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            piece = answer.take(json.loads(line[6:]))
+            if piece.text:
+                deltas.append(piece.text)
+                if on_piece is not None:
+                    on_piece(piece.text)
+            if cancel_after is not None and len(deltas) >= cancel_after:
+                cancelled = True
+                break
+    finally:
+        conn.close()  # the engine cancels a generation whose reader left
+        engine.run("close", CloseTicket(ticket.ticket), no_emit, lambda: False)
+    result = answer.result(emulated=ticket.emulated_tools)
+    if cancelled:
+        result["finish_reason"] = "cancelled"
+    return result, deltas
 
-    def emit(item: dict[str, Any]) -> None:
-        assert item["type"] == "delta"
-        if "text" in item:
-            deltas.append(item["text"])
 
-    def cancelled() -> bool:
-        return cancel_after is not None and len(deltas) >= cancel_after
-
-    return engine.run(request.kind, request, emit, cancelled), deltas
+def no_emit(_item: dict[str, Any]) -> None:
+    raise AssertionError("the llama engine emits nothing over the pipe")
 
 
 def chat(text: str, max_tokens: int, temperature: float = 0.0, **kw: Any) -> TextRequest:
@@ -129,24 +160,14 @@ def test_prompt_over_the_context_is_refused_with_the_numbers(engine: LlamaEngine
 
 
 @pytest.mark.slow
-def test_cancel_stops_within_a_token(engine: LlamaEngine) -> None:
+def test_a_reader_that_leaves_ends_the_generation_and_the_slot_goes_back(
+    engine: LlamaEngine,
+) -> None:
     result, deltas = run(engine, counting(60), cancel_after=3)
-    assert result["finish_reason"] == "cancelled"
-    assert len(deltas) == 3
-
-
-@pytest.mark.slow
-def test_hard_pressure_aborts_generation(engine: LlamaEngine, pressure: Pressure) -> None:
-    deltas: list[str] = []
-
-    def emit(item: dict[str, Any]) -> None:
-        deltas.append(item["text"])
-        pressure.level = 2  # memory turns hard right after the first token
-
-    with pytest.raises(MemoryPressure) as info:
-        engine.run("completion", counting(60), emit, lambda: False)
-    assert info.value.status == 503 and info.value.code == "memory_pressure"
-    assert 1 <= len(deltas) <= 16
+    assert result["finish_reason"] == "cancelled" and len(deltas) == 3
+    assert engine.stats()["slots_busy"] == 0
+    after, _ = run(engine, counting(3))  # both slots take work again
+    assert after["usage"]["completion_tokens"] == 3
 
 
 @pytest.mark.slow
@@ -178,11 +199,11 @@ def test_two_requests_run_at_once_in_two_slots(engine: LlamaEngine) -> None:
     ends: dict[int, float] = {}
 
     def one(i: int) -> None:
-        def emit(item: dict[str, Any]) -> None:
+        def piece(_text: str) -> None:
             firsts.setdefault(i, time.monotonic())
             started.set()
 
-        engine.run("chat", chat(f"Story number {i}:", max_tokens=64), emit, lambda: False)
+        run(engine, chat(f"Story number {i}:", max_tokens=64), on_piece=piece)
         ends[i] = time.monotonic()
 
     first = threading.Thread(target=one, args=(0,))
@@ -198,9 +219,6 @@ def test_two_requests_run_at_once_in_two_slots(engine: LlamaEngine) -> None:
 
 @pytest.mark.slow
 def test_unknown_op_or_an_untyped_payload_is_a_bad_request(engine: LlamaEngine) -> None:
-    def no_emit(_item: dict[str, Any]) -> None:
-        raise AssertionError("nothing is generated")
-
     with pytest.raises(BadRequest, match="'embed'"):
         engine.run("embed", EmbedRequest(inputs=("x",)), no_emit, lambda: False)
     with pytest.raises(BadRequest, match="TextRequest"):

@@ -1,9 +1,11 @@
-"""Hard pressure aborts a long prefill between its prompt batches, before any token: the
-engine asks llama.cpp for a progress chunk per 512-token batch (``return_progress``) and
-ends the task from that callback (real SmolLM2-135M, in-process)."""
+"""A long prefill can be left between its prompt batches, before any token: the engine asks
+llama.cpp for a progress event per 512-token batch (``return_progress``), so a reader that
+closes the connection (a client gone, the relay's hard-pressure abort) is noticed there
+(real SmolLM2-135M, in-process)."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -13,8 +15,9 @@ import xllamacpp  # noqa: F401  (a hard dependency: a broken install fails, neve
 from bundled_models import bundled_spec
 
 from elbowroom.engines.llama import N_BATCH, LlamaEngine
+from elbowroom.engines.llama_control import _UnixConnection
 from elbowroom.engines.options import LlamaOptions
-from elbowroom.engines.requests import TextRequest
+from elbowroom.engines.requests import CloseTicket, TextRequest, TextTicket
 from elbowroom.errors import MemoryPressure
 
 pytestmark = pytest.mark.slow
@@ -56,24 +59,39 @@ def long_prompt() -> str:
     return "Repeat after me: " + ", ".join(str(n) for n in range(1000, 1290))
 
 
-def test_hard_pressure_mid_prefill_aborts_before_the_first_token(
+def test_a_long_prefill_reports_each_batch_so_a_reader_can_leave_before_the_first_token(
     engine: LlamaEngine, level: TurnsHard
 ) -> None:
-    deltas: list[Any] = []
-    request = TextRequest(kind="completion", prompt=long_prompt(), max_tokens=8, temperature=0)
-    level.calls, level.after = 0, 1  # the start check passes; the first batch's poll is hard
-    with pytest.raises(MemoryPressure) as info:
-        engine.run("completion", request, deltas.append, lambda: False)
-    assert info.value.status == 503 and info.value.code == "memory_pressure"
-    assert deltas == []  # no token: it ended inside the prefill
-    assert level.calls == 2  # the start check and one batch's progress: the first batch
-    # The slot is free again: the next request (normal pressure) runs to its end.
+    """The relay's hard-pressure abort and a client that leaves both close the engine
+    connection; the engine notices a closed reader when it writes, and it writes an event
+    per prompt batch (``return_progress``), so a long prefill is not run to its end."""
     level.after = None
-    out = engine.run(
-        "completion",
-        TextRequest(kind="completion", prompt="1, 2, 3,", max_tokens=3, temperature=0),
-        lambda _: None,
-        lambda: False,
-    )
-    assert out["usage"]["completion_tokens"] == 3
+    request = TextRequest(kind="completion", prompt=long_prompt(), max_tokens=8, temperature=0)
+    ticket = engine.run("open", request, _no_emit, lambda: False)["ticket"]
+    assert isinstance(ticket, TextTicket) and ticket.body is not None
+    assert ticket.body["return_progress"] is True
+    conn = _UnixConnection(ticket.socket or "", 600)
+    try:
+        headers = {"Authorization": f"Bearer {ticket.key}", "Content-Type": "application/json"}
+        conn.request("POST", ticket.path, body=json.dumps(ticket.body), headers=headers)
+        response = conn.getresponse()
+        assert response.status == 200
+        first = next(line for line in response if line.startswith(b"data: "))
+    finally:
+        conn.close()  # leave inside the prefill
+        engine.run("close", CloseTicket(ticket.ticket), _no_emit, lambda: False)
+    event = json.loads(first[6:])
+    assert "prompt_progress" in event and event["choices"][0]["text"] == ""  # no token yet
+    progress = event["prompt_progress"]
+    assert progress["processed"] < progress["total"]  # the first batch of several
+    assert engine.stats()["slots_busy"] == 0
+    # Hard pressure refuses a new generation before it starts (the engine's own check).
+    level.calls, level.after = 0, 0
+    with pytest.raises(MemoryPressure) as info:
+        engine.run("open", request, _no_emit, lambda: False)
+    assert info.value.status == 503 and info.value.code == "memory_pressure"
     assert N_BATCH == 512
+
+
+def _no_emit(_item: Any) -> None:
+    raise AssertionError("the llama engine emits nothing over the pipe")

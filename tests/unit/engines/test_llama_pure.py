@@ -1,4 +1,5 @@
-"""The LLM engine's pure parts: stream accumulation, tool-call emulation, slot choice."""
+"""The LLM engine's pure parts: tool-call emulation, slot choice (the events' assembly is
+the relay's: tests/unit/server/test_relay.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import pytest
 
 from elbowroom.engines.llama_control import EngineControl
 from elbowroom.engines.llama_slots import SEQ_MAGIC, Slots, is_slot_state
-from elbowroom.engines.llama_stream import StreamState
 from elbowroom.engines.llama_tools import parse, plan
 from elbowroom.errors import BadRequest
 from elbowroom.kvcache import CacheKey, PrefixCache
@@ -31,59 +31,6 @@ WEATHER = {
     },
 }
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
-
-
-def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
-    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
-
-
-def test_stream_state_joins_text_usage_and_logprobs() -> None:
-    s = StreamState(chat=True)
-    assert s.feed(chunk({"role": "assistant", "content": None})) == []
-    lp = [{"token": "Hi", "logprob": -0.1, "top_logprobs": []}]
-    out = s.feed({"choices": [{"delta": {"content": "Hi"}, "logprobs": {"content": lp}}]})
-    assert out == [{"type": "delta", "text": "Hi", "logprobs": lp}]
-    s.feed(chunk({"content": " there"}, "length"))
-    s.feed(
-        {
-            "choices": [],
-            "usage": {
-                "prompt_tokens": 7,
-                "completion_tokens": 2,
-                "prompt_tokens_details": {"cached_tokens": 5},
-            },
-            "timings": {"prompt_n": 2, "prompt_ms": 3.0, "other": 1},
-        }
-    )
-    r = s.result()
-    assert r["text"] == "Hi there" and r["finish_reason"] == "length"
-    assert r["usage"] == {"prompt_tokens": 7, "completion_tokens": 2, "cached_tokens": 5}
-    assert r["logprobs"] == lp and r["timings"] == {"prompt_n": 2, "prompt_ms": 3.0}
-    assert s.result("cancelled")["finish_reason"] == "cancelled"
-
-
-def test_stream_state_assembles_streamed_tool_calls() -> None:
-    s = StreamState(chat=True)
-    first = {"index": 0, "id": "call_1", "function": {"name": "get_weather", "arguments": '{"ci'}}
-    out = s.feed(chunk({"tool_calls": [first]}))
-    assert out[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"ci'}
-    s.feed(chunk({"tool_calls": [{"index": 0, "function": {"arguments": 'ty": "Oslo"}'}}]}))
-    s.feed(chunk({}, "tool_calls"))
-    (call,) = s.result()["tool_calls"]
-    assert call == {
-        "id": "call_1",
-        "type": "function",
-        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
-    }
-    assert s.result()["finish_reason"] == "tool_calls"
-
-
-def test_stream_state_keeps_the_engine_error() -> None:
-    s = StreamState(chat=False)
-    s.feed({"error": {"code": 400, "message": "bad", "type": "invalid_request_error"}})
-    assert s.error == {"code": 400, "message": "bad", "type": "invalid_request_error"}
-    s2 = StreamState(chat=False)
-    assert s2.feed({"choices": [{"text": "ab"}]}) == [{"type": "delta", "text": "ab"}]
 
 
 def _messages() -> list[dict[str, Any]]:

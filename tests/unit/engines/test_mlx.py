@@ -13,10 +13,11 @@ from mlx_models import have_mlx, random_mlx, smollm2_mlx
 
 from elbowroom.engines.mlx import MlxEngine
 from elbowroom.engines.options import LlamaOptions, MlxOptions
-from elbowroom.engines.requests import TextRequest
+from elbowroom.engines.requests import TextRequest, TextTicket
 from elbowroom.errors import BadRequest, ContextOverflow, EngineError, MemoryPressure
 from elbowroom.models.catalog import _mlx_model
 from elbowroom.models.spec import ModelSpec
+from elbowroom.server.relay import Answer, parse_events
 
 if (why := have_mlx()) is not None:
     pytest.skip(why, allow_module_level=True)
@@ -61,15 +62,28 @@ def engine(tiny: ModelSpec, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 def run(
     eng: Any, req: TextRequest, cancel_after: int | None = None
 ) -> tuple[dict[str, Any], list[str]]:
+    """``open``: a ticket with no socket, then the engine's events over the runner, in the
+    shape the relay reads (engines/events.py); returns the relay's assembled answer."""
     pieces: list[str] = []
+    tickets: list[TextTicket] = []
+    answer = Answer("m", chat_events=req.kind == "chat", block=1)
 
-    def emit(event: dict[str, Any]) -> None:
-        pieces.append(event["text"])
+    def emit(item: dict[str, Any]) -> None:
+        if item["type"] == "ticket":
+            tickets.append(item["ticket"])
+            return
+        assert item["type"] == "events" and tickets and tickets[0].socket is None
+        for chunk in parse_events(item["data"]):
+            if chunk is not None:
+                piece = answer.take(chunk)
+                if piece.text:
+                    pieces.append(piece.text)
 
     def cancelled() -> bool:
         return cancel_after is not None and len(pieces) >= cancel_after
 
-    return eng.run(req.kind, req, emit, cancelled), pieces
+    assert eng.run("open", req, emit, cancelled) == {}
+    return answer.result(emulated=False), pieces
 
 
 def completion(prompt: str = "Once upon a time", **kw: Any) -> TextRequest:
@@ -115,15 +129,16 @@ def test_hard_pressure_aborts_within_16_tokens(engine: Any) -> None:
     pressure: Pressure = engine.pressure
     seen: list[str] = []
 
-    def emit(event: dict[str, Any]) -> None:
-        seen.append(event["text"])
+    def emit(item: dict[str, Any]) -> None:
+        if item["type"] == "events":
+            seen.append(item["data"])
         if len(seen) == 3:
             pressure.level = 2
 
     before = engine.stats()["tokens_generated"]
     try:
         with pytest.raises(MemoryPressure) as info:
-            engine.run("completion", completion(max_tokens=400), emit, lambda: False)
+            engine.run("open", completion(max_tokens=400), emit, lambda: False)
     finally:
         pressure.level = 0
     assert info.value.status == 503 and "memory pressure" in info.value.message

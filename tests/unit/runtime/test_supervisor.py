@@ -22,12 +22,14 @@ from bundled_models import bundled_spec
 
 from elbowroom.config import Settings
 from elbowroom.engines.options import EngineOptions, LlamaOptions
-from elbowroom.engines.requests import TextRequest, TranscribeRequest
+from elbowroom.engines.requests import CloseTicket, TextRequest, TextTicket, TranscribeRequest
 from elbowroom.errors import BadRequest, EngineError, MemoryPressure, RunnerCrashed, Unavailable
 from elbowroom.memory.types import ZERO_PROCESS_MEMORY
 from elbowroom.models.spec import ModelSpec
+from elbowroom.runtime.engine_events import text_events
 from elbowroom.runtime.protocol import Runner, RunnerState
 from elbowroom.runtime.supervisor import Supervisor, describe_exit, spawn_worker
+from elbowroom.server.relay import Answer, parse_events
 
 T = TypeVar("T")
 SETTINGS = Settings(load_timeout=120.0, stop_grace=5.0)
@@ -87,6 +89,24 @@ async def collect(stream: AsyncIterator[dict[str, Any]]) -> list[dict[str, Any]]
     return [item async for item in stream]
 
 
+async def complete(sup: Supervisor, request: TextRequest) -> dict[str, Any]:
+    """The whole answer, read from the engine's own socket as the server's relay reads it
+    (cached_tokens exact: the relay's rewriter rounds them)."""
+    answer = Answer(SMOLLM2, chat_events=request.kind == "chat", block=1)
+    events = text_events(sup, request)
+    try:
+        ticket = await anext(events)
+        assert isinstance(ticket, TextTicket)
+        async for block in events:
+            assert isinstance(block, bytes)
+            for chunk in parse_events(block):
+                if chunk is not None:
+                    answer.take(chunk)
+        return {"blocks": answer.pieces, **answer.result(emulated=False)}
+    finally:
+        await events.aclose()
+
+
 def pid_gone(pid: int) -> bool:
     """True once the process is gone *and reaped* (a zombie still has /proc/PID)."""
     return not Path(f"/proc/{pid}").exists()
@@ -121,16 +141,17 @@ def test_start_reports_ready_with_measured_weights(
 
 
 @pytest.mark.slow
-def test_request_streams_deltas_then_done(
+def test_open_hands_out_a_ticket_and_the_engine_streams_its_events(
     llm: tuple[Supervisor, Exits, Any], run: Callable[[Awaitable[Any]], Any]
 ) -> None:
     sup, _, _ = llm
-    items = run(collect(sup.request("completion", counting(6))))
-    *deltas, done = items
-    assert all(d["type"] == "delta" for d in deltas) and deltas
-    assert done["type"] == "done" and done["finish_reason"] == "length"
-    assert done["text"] == "".join(d["text"] for d in deltas)
-    assert done["usage"]["completion_tokens"] == 6
+    (ticket,) = run(collect(sup.request("open", counting(6))))
+    assert ticket["type"] == "done" and ticket["ticket"].socket  # the slot is held: close it
+    (closed,) = run(collect(sup.request("close", CloseTicket(ticket["ticket"].ticket))))
+    assert closed["closed"] is True
+    done = run(complete(sup, counting(6)))
+    assert len(done["blocks"]) > 1 and done["text"] == "".join(done["blocks"])
+    assert done["finish_reason"] == "length" and done["usage"]["completion_tokens"] == 6
 
 
 @pytest.mark.slow
@@ -151,9 +172,9 @@ def test_pressure_level_reaches_the_engine(
     sup, _, _ = llm
     sup.set_pressure(2)
     with pytest.raises(MemoryPressure):
-        run(collect(sup.request("completion", counting(4))))
+        run(complete(sup, counting(4)))
     sup.set_pressure(0)
-    *_, done = run(collect(sup.request("completion", counting(4))))
+    done = run(complete(sup, counting(4)))
     assert done["usage"]["completion_tokens"] == 4
 
 
@@ -163,24 +184,24 @@ def test_closing_the_stream_early_cancels_the_work(
 ) -> None:
     sup, _, _ = llm
     # How many tokens a request left in the context shows up as the next prompt's cached
-    # prefix. Control: an uncancelled 120-token run leaves all of them there.
-    *_, full = run(collect(sup.request("completion", counting(120))))
+    # prefix. Control: an uncancelled 64-token run leaves all of them there (cached_tokens
+    # are exact here: the relay rounds them for clients).
+    full = run(complete(sup, counting(64)))
     continued = replace(COUNTING, prompt=COUNTING.prompt + full["text"], max_tokens=1)
-    *_, control = run(collect(sup.request("completion", continued)))
+    control = run(complete(sup, continued))
     n_prompt = full["usage"]["prompt_tokens"]
-    assert control["usage"]["cached_tokens"] >= n_prompt + 64  # in whole 64-token blocks
+    assert control["usage"]["cached_tokens"] >= n_prompt + 40
 
     async def take_two_then_leave() -> None:
-        stream = sup.request("completion", counting(120))
-        assert isinstance(stream, AsyncIterator)
-        for _ in range(2):
-            await anext(stream)
-        await stream.aclose()  # type: ignore[attr-defined]
+        events = text_events(sup, counting(64))
+        for _ in range(2):  # the ticket, then the first events
+            await anext(events)
+        await events.aclose()  # as the relay does when its client leaves
 
     run(take_two_then_leave())
-    *_, after = run(collect(sup.request("completion", continued)))
-    # The worker stopped a few tokens in, not after 120.
-    assert after["usage"]["cached_tokens"] < n_prompt + 60
+    after = run(complete(sup, continued))
+    # The engine stopped a few tokens in, not after 64.
+    assert after["usage"]["cached_tokens"] < n_prompt + 20
     assert sup.state is RunnerState.READY
 
 
@@ -201,11 +222,15 @@ def test_kill_9_mid_stream_fails_the_request_and_reports_once(
     info = run(sup.start(OPTIONS))
 
     async def stream_then_kill() -> None:
-        stream = sup.request("completion", counting(200))
-        await anext(stream)
-        os.kill(info.pid, signal.SIGKILL)
-        async for _ in stream:
-            pass
+        events = text_events(sup, counting(200))
+        try:
+            await anext(events)  # the ticket
+            await anext(events)  # the first events
+            os.kill(info.pid, signal.SIGKILL)
+            async for _ in events:
+                pass
+        finally:
+            await events.aclose()
 
     with pytest.raises(RunnerCrashed) as err:
         run(stream_then_kill())
@@ -216,7 +241,7 @@ def test_kill_9_mid_stream_fails_the_request_and_reports_once(
     assert sup.pid is None and sup.measure() == ZERO_PROCESS_MEMORY
     assert pid_gone(info.pid)  # reaped: no zombie
     with pytest.raises(RunnerCrashed):  # a later request fails at once, naming the cause
-        run(collect(sup.request("completion", COUNTING)))
+        run(complete(sup, COUNTING))
     run(sup.stop(1.0))  # never raises on a dead runner
     assert sup.state is RunnerState.STOPPED
     assert len(exits.calls) == 1

@@ -2,8 +2,10 @@
 
 (A uniquely named module, not conftest.py: every conftest is imported as "conftest".)
 
-The runner yields what a real runner yields (deltas, then done) and records whether its
-request iterator was closed, which is how the server cancels generation.
+The runner answers ``open`` as a runner whose engine has no socket of its own does (MLX):
+a ticket, then the engine's OpenAI-shaped SSE events over the runner (engines/base.py),
+and records whether its request iterator was closed, which is how the server cancels
+generation. The events are llama.cpp's shapes (engines/events.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from typing import Any
 from bundled_models import SMOLLM2_INFO
 
 from elbowroom.config import Settings
-from elbowroom.engines.requests import Payload
+from elbowroom.engines.events import DONE, event
+from elbowroom.engines.requests import Payload, TextRequest, TextTicket
 from elbowroom.errors import ElbowroomError, ModelNotFound
 from elbowroom.models.spec import Holding, ModelKind, ModelSpec
 from elbowroom.server.deps import Services
@@ -56,9 +59,13 @@ class FakeCatalog:
 
 @dataclass
 class Script:
-    """What the next request does: pieces of text, then done; or an error after N pieces."""
+    """What the next request does: pieces of text, then done; or an error after N pieces.
+    ``done_extra``: tool calls the engine sends whole after the text (a native call in one
+    event) and logprob entries, one per piece (left over ones ride on the finish event)."""
 
     pieces: tuple[str, ...] = ("Hel", "lo", "!")
+    emulated: bool = False  # the ticket says the tool calls are emulated (JSON text)
+    block: int = 1  # the ticket's cache block
     finish_reason: str = "stop"
     error_after: int | None = None
     error: BaseException | None = None
@@ -80,27 +87,76 @@ class FakeRunner:
     async def request(self, kind: str, payload: Payload) -> AsyncIterator[dict[str, Any]]:
         s = self.scheduler
         s.requests.append((kind, payload))
+        assert kind == "open" and isinstance(payload, TextRequest)
         script = s.script
+        chat = payload.kind == "chat"
         try:
+            ticket = TextTicket(
+                ticket=1, socket=None, block_tokens=script.block, emulated_tools=script.emulated
+            )
+            yield {"type": "ticket", "ticket": ticket}
+            # llama.cpp's first chat event, the role, comes with the first piece.
+            role = {"choices": [{"index": 0, "delta": {"role": "assistant"}}]} if chat else None
+            streamed_lp = any("logprobs" in d for d in script.deltas)
+            entries = [] if streamed_lp else list(script.done_extra.get("logprobs") or ())
             for i, piece in enumerate(script.pieces):
                 if script.error_after == i and script.error is not None:
                     raise script.error
-                yield {"type": "delta", "text": piece}
+                lp = [entries.pop(0)] if entries else None
+                yield _events(_chunk(chat, text=piece, logprobs=lp), role)
+                role = None
                 if script.hang_after_first:
                     await asyncio.Event().wait()
             if script.error_after == len(script.pieces) and script.error is not None:
                 raise script.error
             for delta in script.deltas:
-                yield {"type": "delta", **delta}
-            yield {
-                "type": "done",
-                "text": "".join(script.pieces),
-                "finish_reason": script.finish_reason,
-                "usage": script.usage,
-                **script.done_extra,
+                calls = delta.get("tool_calls")
+                yield _events(_chunk(chat, calls=calls, logprobs=delta.get("logprobs")), role)
+                role = None
+            calls = script.done_extra.get("tool_calls")
+            if calls and not any("tool_calls" in d for d in script.deltas):
+                whole = [{"index": i, **c} for i, c in enumerate(calls)]
+                yield _events(_chunk(chat, calls=whole), role)
+                role = None
+            u = script.usage
+            usage = {
+                "prompt_tokens": u["prompt_tokens"],
+                "completion_tokens": u["completion_tokens"],
+                "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+                "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]},
             }
+            finish = _chunk(chat, finish=script.finish_reason, logprobs=entries or None)
+            head = b"" if role is None else event(role)
+            tail = event(finish) + event({"choices": [], "usage": usage}) + DONE
+            yield {"type": "events", "data": head + tail}
+            yield {"type": "done"}
         finally:
             s.closed += 1
+
+
+def _chunk(
+    chat: bool,
+    *,
+    text: str | None = None,
+    calls: list[dict[str, Any]] | None = None,
+    logprobs: list[dict[str, Any]] | None = None,
+    finish: str | None = None,
+) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+    if chat:
+        delta: dict[str, Any] = {} if text is None else {"content": text}
+        if calls:
+            delta["tool_calls"] = calls
+        choice["delta"] = delta
+    else:
+        choice["text"] = text or ""
+    if logprobs:
+        choice["logprobs"] = {"content": logprobs}
+    return {"choices": [choice], "model": "/models/engine-file.gguf"}
+
+
+def _events(chunk: dict[str, Any], first: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"type": "events", "data": (b"" if first is None else event(first)) + event(chunk)}
 
 
 class FakeScheduler:

@@ -35,7 +35,7 @@ def test_chat_reaches_the_runner_as_a_text_request(harness: Harness) -> None:
     assert body["prompt_eval_count"] == 7 and body["eval_count"] == 3
     assert body["total_duration"] > 0
     kind, text = harness.scheduler.requests[0]
-    assert kind == "chat" and isinstance(text, TextRequest)
+    assert kind == "open" and isinstance(text, TextRequest) and text.kind == "chat"
     assert text.messages == ({"role": "user", "content": "Hi"},)
     assert text.temperature == 0 and text.max_tokens == 5 and text.seed == 1
     assert text.response_format == {"type": "json_object"}
@@ -92,7 +92,7 @@ def test_generate_templates_the_prompt_unless_raw(harness: Harness) -> None:
         json={"model": "smollm2-135m", "prompt": "1, 2,", "raw": True, "stream": False},
     )
     assert raw.status_code == 200
-    kinds = [(k, p.prompt, p.messages) for k, p in harness.scheduler.requests]
+    kinds = [(p.kind, p.prompt, p.messages) for _, p in harness.scheduler.requests]
     assert kinds == [
         ("chat", "", ({"role": "user", "content": "Hi"},)),
         ("completion", "1, 2,", ()),

@@ -79,7 +79,7 @@ def test_params_reach_the_engine_validated_and_converted(harness: Harness) -> No
     )
     assert r.status_code == 200, r.text
     kind, text = harness.scheduler.requests[0]
-    assert kind == "chat" and isinstance(text, TextRequest)
+    assert kind == "open" and isinstance(text, TextRequest) and text.kind == "chat"
     assert text.tools == (WEATHER, TIME)
     assert text.tool_choice == {"type": "function", "function": {"name": "get_time"}}
     assert text.parallel_tool_calls is False

@@ -59,7 +59,7 @@ def test_chat_non_streaming(harness: Harness) -> None:
     assert out.usage.prompt_tokens_details is not None
     assert out.usage.prompt_tokens_details.cached_tokens == 2
     kind, text = harness.scheduler.requests[0]
-    assert kind == "chat" and isinstance(text, TextRequest)
+    assert kind == "open" and isinstance(text, TextRequest) and text.kind == "chat"
     assert text.messages == (
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi"},
@@ -125,7 +125,7 @@ def test_completions_both_ways(harness: Harness) -> None:
     assert out.object == "text_completion" and out.id.startswith("cmpl-")
     assert out.choices[0].text == "Hello!"
     assert harness.scheduler.requests[0] == (
-        "completion",
+        "open",
         TextRequest(kind="completion", prompt="Once", max_tokens=3),
     )
     harness.scheduler.script.finish_reason = "length"
