@@ -44,9 +44,9 @@ from elbowroom.engines.llama_tools import parse as parse_tool_reply
 from elbowroom.engines.requests import TextRequest, TextTicket
 from elbowroom.errors import ElbowroomError, EngineError
 from elbowroom.runtime.engine_events import text_events
-from elbowroom.server import ollama_shapes
 from elbowroom.server.errors import public_error
 from elbowroom.server.metrics import record_tokens
+from elbowroom.server.ollama_paths import error_body
 from elbowroom.server.ollama_reply import Reply
 from elbowroom.server.shapes import Envelope, Logprobs
 from elbowroom.server.sse import DONE, ClientGone, sse, unless_client_leaves
@@ -525,7 +525,7 @@ class OllamaRewriter:
 
     def error(self, err: BaseException) -> bytes:
         if isinstance(err, ElbowroomError):
-            return _line(ollama_shapes.error_body(err))
+            return _line(error_body(err))
         log.error("unexpected error while streaming", exc_info=err)
         return _line({"error": "The server had an unexpected error; it has been logged."})
 
