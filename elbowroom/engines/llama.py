@@ -25,6 +25,7 @@ from typing import Any
 from elbowroom.config import KV_TYPES
 from elbowroom.engines.base import Cancelled, Emit, PressureLevel
 from elbowroom.engines.llama_control import EngineControl
+from elbowroom.engines.llama_grammar import constrain
 from elbowroom.engines.llama_slots import Slots
 from elbowroom.engines.llama_stream import StreamState
 from elbowroom.engines.llama_tools import parse as parse_tool_reply
@@ -465,7 +466,7 @@ class LlamaEngine:
             body["prompt"] = request.prompt
             if request.logprobs is not None:
                 body["n_probs"] = request.logprobs  # alternatives per token
-            return body, False
+            return constrain(body), False
         if request.logprobs is not None:
             body.update(logprobs=True, top_logprobs=request.logprobs)
         native = self._chat_template and self._native_tools
@@ -482,7 +483,7 @@ class LlamaEngine:
             top = body.pop("top_logprobs", None)
             if body.pop("logprobs", None):
                 body["n_probs"] = top
-        return body, emulated
+        return constrain(body), emulated
 
 
 def _check_has_tensors(spec: ModelSpec) -> None:
