@@ -15,7 +15,8 @@ with the llguidance library itself (a few ms, cached per schema): a schema llgui
 cannot compile is a 400 naming the reason. Without the check the engine would run such a
 request *unconstrained* (it logs the failure and samples freely). ``lenient`` lets keywords
 llguidance does not implement (``uniqueItems``, unknown ``format`` names) pass as GBNF
-did, unchecked; output whitespace is fixed (``", "`` and ``": "``), as GBNF wrote it.
+did, unchecked; output whitespace is fixed (``", "`` and ``": "``), as GBNF wrote it, and
+an object with ``properties`` takes no other keys unless it says so, as GBNF read it.
 
 Requests whose tools the chat template handles natively keep llama.cpp's own tool grammar
 (GBNF): the engine builds it from the template and refuses a ``grammar`` beside ``tools``.
@@ -71,7 +72,7 @@ def grammar(schema: str, param: str = "response_format") -> str:
     compile it. Cached: a client repeating a schema pays the check once."""
     import llguidance
 
-    value = json.loads(schema)
+    value = closed(json.loads(schema))
     if isinstance(value, dict):
         value = {**value, "x-guidance": OPTIONS}  # the client's own options are not taken
     text = "%llguidance {}\nstart: %json " + json.dumps(value)
@@ -86,6 +87,37 @@ def grammar(schema: str, param: str = "response_format") -> str:
     if messages:
         log.info("JSON schema accepted with warnings: %s", "; ".join(messages))
     return text
+
+
+_SCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def closed(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object that lists
+    ``properties`` and says nothing of others: how llama.cpp's GBNF converter read such an
+    object (JSON Schema, and llguidance, would allow any other key, and a small model
+    then writes keys until ``max_tokens``)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = closed(out[key])
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(s) for s in out[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(s) for name, s in out[key].items()}
+    if (
+        isinstance(out.get("properties"), dict)
+        and out.get("type", "object") == "object"
+        and "additionalProperties" not in out
+    ):
+        out["additionalProperties"] = False
+    return out
 
 
 def _first_line(message: str) -> str:

@@ -71,3 +71,24 @@ def test_a_repeated_schema_is_checked_once() -> None:
         constrain({"messages": [], "response_format": fmt({"enum": ["a", "b"]})})
     info = llama_grammar.grammar.cache_info()
     assert (info.misses, info.hits) == (1, 2)
+
+
+def test_objects_with_properties_take_no_other_keys_as_gbnf_read_them() -> None:
+    """An emulated tool call whose parameters left out additionalProperties ran to
+    max_tokens writing keys (llguidance follows JSON Schema: others allowed)."""
+    schema = {
+        "anyOf": [
+            {"type": "object", "properties": {"zone": {"type": "string"}}},
+            {"properties": {"properties": {"type": "object", "properties": {}}}},
+            {"type": "object", "properties": {}, "additionalProperties": True},
+            {"type": "array", "items": {"type": "object", "properties": {"a": {}}}},
+        ]
+    }
+    sent = schema_of(constrain({"messages": [], "response_format": fmt(schema)})["grammar"])
+    zone, nested, open_, array = sent["anyOf"]
+    assert zone["additionalProperties"] is False
+    assert nested["additionalProperties"] is False
+    assert set(nested["properties"]) == {"properties"}  # a property named so stays a property
+    assert nested["properties"]["properties"]["additionalProperties"] is False
+    assert open_["additionalProperties"] is True
+    assert array["items"]["additionalProperties"] is False
