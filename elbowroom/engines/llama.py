@@ -353,10 +353,17 @@ class LlamaEngine:
             entry = self._tickets.pop(closing.ticket, None)
         if entry is None:
             return {"closed": False}
-        if closing.timings is None and self._control is not None:
+        control = self._control
+        if closing.timings is None and control is not None:
             # Ended early (client gone, error): the engine's loop may still be on it (a
-            # grammar being set up), so the slot stays busy until the loop lets go.
-            self._control.wait_slot_idle(entry[0])
+            # grammar being set up), so the slot stays taken and counted busy until the loop
+            # lets go. The scheduler's claim goes now: an unload can still end a stuck engine.
+            def settle() -> None:
+                control.wait_slot_idle(entry[0])
+                self._give_slot(*entry)
+
+            threading.Thread(target=settle, name="settle-slot", daemon=True).start()
+            return {"closed": True}
         self._give_slot(*entry)
         if closing.timings is not None:
             self._give_timings(closing.timings)
