@@ -262,6 +262,45 @@ def test_large_bodies_share_the_inflight_budget(make_harness: Callable[..., Harn
     assert h.client.post("/v1/chat/completions", json=big).headers["retry-after"]
 
 
+def test_large_bodies_are_inspected_one_at_a_time(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four bodies of 32 MB inspected by four threads at once added their interpreter-lock
+    holds up: /health waited up to ~300 ms. A second large body now waits its turn."""
+    import threading
+
+    from elbowroom.server import limits
+
+    active, most = [0], [0]
+    turn = threading.Condition()
+
+    def watched(body: Any, path: str, lims: Any) -> Any:
+        with turn:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+            turn.notify_all()
+            # Wait (bounded) for the other body to come in beside this one.
+            turn.wait_for(lambda: active[0] > 1, timeout=2.0)
+        try:
+            return inspect(body, path, lims)
+        finally:
+            with turn:
+                active[0] -= 1
+
+    monkeypatch.setattr(limits, "inspect", watched)
+    big = {"model": "smollm2-135m", "messages": msgs(1, "z" * 300_000)}
+    statuses: list[int] = []
+    senders = [
+        threading.Thread(target=lambda: statuses.append(post(harness, big)[0])) for _ in range(2)
+    ]
+    for sender in senders:
+        sender.start()
+    for sender in senders:
+        sender.join(60)
+    assert statuses == [200, 200]
+    assert most[0] == 1
+
+
 def llm_with_vocab(trained_ctx: int, max_token_bytes: int, tokenizer: str = "gpt2") -> Any:
     info = GGUFInfo(
         architecture="llama",
