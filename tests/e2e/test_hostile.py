@@ -386,6 +386,8 @@ def test_a_schema_inside_the_bounds_stalls_no_other_slot(server: ServerProcess) 
     r = httpx.post(server.url + "/v1/chat/completions", json=bad, timeout=120)
     assert r.status_code == 400, r.text[:300]
     assert r.json()["error"]["code"] == "invalid_schema" and "foo" in r.json()["error"]["message"]
+    httpx.post(server.url + f"/api/models/{MODEL}/unload", timeout=60)  # as the module found it
+    wait_for(lambda: nothing_loaded(server), timeout=60, what="the unload")
 
 
 @pytest.mark.slow
