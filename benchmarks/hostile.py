@@ -7,17 +7,19 @@ tests/e2e/test_hostile.py: `max_body` 128 MiB, `header_timeout` 2 s, `body_timeo
 during each attack, in that order, so that baseline and attacks share the machine's load:
 
 - grammar: a chat request whose `response_format` enum has 30,000 values (refused 400);
+- nested: a chat request whose schema pattern nests `{0,1024}` three deep, inside every
+  schema bound (served: 200; as GBNF it held the engine for good);
 - integers: four 32 MB bodies of 4,299-digit integers at once (refused 400);
 - heads: 400 connections that send half a request head and stall;
 - bodies: four connections declaring 32 MiB bodies and a 128 MiB /api/chat that send
   nothing, while a 400 KB request is served (the stalled ones end with 408).
 
 Then the cost left inside the bounds: another slot's 2-token chat while a request with a
-`max_schema_members` (256) enum grammar runs, against the same 2-token chat beside a plain
-request, interleaved. And what one client learns of another's prompt (docs/security.md,
-"What `cached_tokens` tells another client"): client A sends a fresh ~900-token prompt,
-then client B the same prompt, plainly (prefix reuse, the default) or with `cache_salt`;
-B's time and `cached_tokens`, interleaved.
+`max_schema_members` (256) enum grammar or the nested pattern runs, against the same
+2-token chat beside a plain request, interleaved. And what one client learns of another's
+prompt (docs/security.md, "What `cached_tokens` tells another client"): client A sends a
+fresh ~900-token prompt, then client B the same prompt, plainly (prefix reuse, the
+default) or with `cache_salt`; B's time and `cached_tokens`, interleaved.
 
     python benchmarks/hostile.py --rounds 5   # writes results/hostile.{json,md}
 """
