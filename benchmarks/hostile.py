@@ -7,17 +7,19 @@ tests/e2e/test_hostile.py: `max_body` 128 MiB, `header_timeout` 2 s, `body_timeo
 during each attack, in that order, so that baseline and attacks share the machine's load:
 
 - grammar: a chat request whose `response_format` enum has 30,000 values (refused 400);
+- nested: a chat request whose schema pattern nests `{0,1024}` three deep, inside every
+  schema bound (served: 200; as GBNF it held the engine for good);
 - integers: four 32 MB bodies of 4,299-digit integers at once (refused 400);
 - heads: 400 connections that send half a request head and stall;
 - bodies: four connections declaring 32 MiB bodies and a 128 MiB /api/chat that send
   nothing, while a 400 KB request is served (the stalled ones end with 408).
 
 Then the cost left inside the bounds: another slot's 2-token chat while a request with a
-`max_schema_members` (256) enum grammar runs, against the same 2-token chat beside a plain
-request, interleaved. And what one client learns of another's prompt (docs/security.md,
-"What `cached_tokens` tells another client"): client A sends a fresh ~900-token prompt,
-then client B the same prompt, plainly (prefix reuse, the default) or with `cache_salt`;
-B's time and `cached_tokens`, interleaved.
+`max_schema_members` (256) enum grammar or the nested pattern runs, against the same
+2-token chat beside a plain request, interleaved. And what one client learns of another's
+prompt (docs/security.md, "What `cached_tokens` tells another client"): client A sends a
+fresh ~900-token prompt, then client B the same prompt, plainly (prefix reuse, the
+default) or with `cache_salt`; B's time and `cached_tokens`, interleaved.
 
     python benchmarks/hostile.py --rounds 5   # writes results/hostile.{json,md}
 """
@@ -163,6 +165,23 @@ def attack_grammar(url: str) -> str:
 INTS = b'{"model": "smollm2-135m", "seed": [' + b",".join([b"7" * 4299] * 7400) + b"]}"
 
 
+# Inside every schema bound (52 bytes, each repetition at max_schema_repeat): as GBNF the
+# engine's loop never let go of it; sent as an llguidance grammar (engines/llama_grammar.py).
+NESTED = {"type": "string", "pattern": "^(((a?){0,1024}){0,1024}){0,1024}$"}
+NESTED_FMT = {
+    "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": NESTED}}
+}
+
+
+def attack_nested(url: str) -> str:
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": HI, "max_tokens": 24, **NESTED_FMT},
+        timeout=300,
+    )
+    return str(r.status_code)
+
+
 def attack_integers(url: str) -> str:
     sender = (
         "import sys, httpx; r = httpx.post(sys.argv[1], content=sys.stdin.buffer.read(), "
@@ -225,6 +244,7 @@ def attack_bodies(url: str) -> str:
 ATTACKS: dict[str, Callable[[str], str]] = {
     "idle (baseline)": attack_idle,
     "grammar bomb (30,000-value enum)": attack_grammar,
+    "nested-repeat pattern inside the bounds": attack_nested,
     "four 32 MB bodies of 4,299-digit integers": attack_integers,
     "400 half-sent request heads": attack_heads,
     "stalled 4 x 32 MiB + 128 MiB bodies": attack_bodies,
@@ -291,7 +311,7 @@ def main() -> None:
     server, url = start_server(home)
     loads: list[float] = []
     health: dict[str, list[dict[str, Any]]] = {name: [] for name in ATTACKS}
-    grammar: dict[str, list[float]] = {"plain": [], "enum256": []}
+    grammar: dict[str, list[float]] = {"plain": [], "enum256": [], "nested": []}
     prefix: dict[str, list[tuple[float, int]]] = {"shared": [], "cache_salt": []}
     try:
         chat(url, {}, 2)  # load the model
@@ -316,6 +336,7 @@ def main() -> None:
                 )
             grammar["plain"].append(beside(url, {}))
             grammar["enum256"].append(beside(url, fmt))
+            grammar["nested"].append(beside(url, NESTED_FMT))
             prefix["shared"].append(probe_prefix(url, salted=False))
             prefix["cache_salt"].append(probe_prefix(url, salted=True))
     finally:
@@ -354,6 +375,7 @@ def main() -> None:
             f"{rows[-1]['outcome']} |"
         )
     plain, bound = result["two_token_beside"]["plain"], result["two_token_beside"]["enum256"]
+    nested = result["two_token_beside"]["nested"]
     lines += [
         "",
         "A 2-token chat beside a 24-token request, seconds (median, range):",
@@ -364,6 +386,9 @@ def main() -> None:
         f"| a 256-member enum grammar (max_schema_members) | {bound['median']:.2f} "
         f"({bound['min']:.2f}-{bound['max']:.2f}) |",
         f"| ratio | {bound['median'] / plain['median']:.2f} |",
+        f"| the nested-repeat pattern (every repeat at max_schema_repeat) | "
+        f"{nested['median']:.2f} ({nested['min']:.2f}-{nested['max']:.2f}) |",
+        f"| ratio | {nested['median'] / plain['median']:.2f} |",
         "",
         "Client B's request for the ~900-token prompt client A sent just before (1 token out):",
         "",

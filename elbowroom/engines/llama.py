@@ -24,6 +24,7 @@ from typing import Any
 from elbowroom.config import KV_TYPES
 from elbowroom.engines.base import Cancelled, Emit, PressureLevel
 from elbowroom.engines.llama_control import EngineControl
+from elbowroom.engines.llama_grammar import constrain
 from elbowroom.engines.llama_slots import Slots
 from elbowroom.engines.llama_tools import plan as plan_tools
 from elbowroom.engines.options import EngineOptions, LlamaOptions, expect
@@ -318,6 +319,17 @@ class LlamaEngine:
             entry = self._tickets.pop(closing.ticket, None)
         if entry is None:
             return {"closed": False}
+        control = self._control
+        if closing.timings is None and control is not None:
+            # Ended early (client gone, error): the engine's loop may still be on it (a
+            # grammar being set up), so the slot stays taken and counted busy until the loop
+            # lets go. The scheduler's claim goes now: an unload can still end a stuck engine.
+            def settle() -> None:
+                control.wait_slot_idle(entry[0])
+                self._give_slot(*entry)
+
+            threading.Thread(target=settle, name="settle-slot", daemon=True).start()
+            return {"closed": True}
         self._give_slot(*entry)
         if closing.timings is not None:
             self._give_timings(closing.timings)
@@ -393,7 +405,7 @@ class LlamaEngine:
             body["prompt"] = request.prompt
             if request.logprobs is not None:
                 body["n_probs"] = request.logprobs  # alternatives per token
-            return body, False
+            return constrain(body), False
         if request.logprobs is not None:
             body.update(logprobs=True, top_logprobs=request.logprobs)
         native = self._chat_template and self._native_tools
@@ -410,7 +422,7 @@ class LlamaEngine:
             top = body.pop("top_logprobs", None)
             if body.pop("logprobs", None):
                 body["n_probs"] = top
-        return body, emulated
+        return constrain(body), emulated
 
 
 def _check_has_tensors(spec: ModelSpec) -> None:

@@ -15,6 +15,7 @@ import secrets
 import shutil
 import socket
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,27 @@ class EngineControl:
             return parsed
         finally:
             conn.close()
+
+    def wait_slot_idle(self, slot: int, poll: float = 0.05) -> None:
+        """Return once the engine's loop no longer works on ``slot``. ``GET /slots`` is
+        answered by that loop itself, so while it is held (a grammar being set up, a batch
+        being decoded) the answer waits too; a slot still processing (a cancel not yet
+        taken) is asked again. An engine that is gone or answers no ``/slots`` ends it."""
+        while True:
+            try:
+                rows = self.request("GET", "/slots")
+            except TimeoutError:
+                continue  # the loop is still held: keep waiting
+            except (OSError, RuntimeError, ValueError):
+                return
+            row = (
+                next((r for r in rows if isinstance(r, dict) and r.get("id") == slot), None)
+                if isinstance(rows, list)
+                else None
+            )
+            if row is None or not row.get("is_processing"):
+                return
+            time.sleep(poll)
 
     def cleanup(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)

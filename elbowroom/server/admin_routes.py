@@ -72,6 +72,9 @@ async def ps_rows(services: Services) -> list[dict[str, Any]]:
     stats = await asyncio.gather(*(r.stats() if r is not None else _no_stats() for r in runners))
     for row, engine_stats in zip(rows, stats, strict=True):
         row["engine_stats"] = engine_stats
+        # The scheduler stops counting a request when its client leaves; the runner counts
+        # it until the engine lets go (a grammar still being set up on the engine's loop).
+        row["busy"] = max(int(row.get("busy") or 0), int(engine_stats.get("slots_busy") or 0))
     return rows
 
 

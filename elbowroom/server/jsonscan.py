@@ -15,6 +15,7 @@ that understood escapes itself takes ~0.3 µs per escape, seconds for a crafted 
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import re
@@ -32,6 +33,11 @@ _TOKEN = re.compile(rb'("[^"]*")|([\[{])|([\]}])|(,)')
 # string's inner brackets and commas stay between its quotes: the matches are the same.
 _UNSEEN = bytes(sorted(set(range(256)) - set(b'"[]{},')))
 _STRING, _OPEN, _CLOSE, _COMMA = 1, 2, 3, 4
+# Bytes one C call (translate, replace, decode) works on at a time. A call holds the
+# interpreter lock for its whole length: 32 MB in one translate held it ~40 ms and the
+# decode inside json.loads as long again, so four such bodies in worker threads stalled
+# /health by ~290 ms. Between pieces other threads (and the event loop) run.
+PIECE = 256 * 1024
 
 
 # Where a request's prompt text is: OpenAI's and Ollama's chat and completion routes.
@@ -65,10 +71,7 @@ def scan(body: bytes | bytearray, max_values: int, max_depth: int) -> int:
     """The number of values in ``body`` (about: strings, containers, commas), raising
     PayloadTooLarge past ``max_values`` and BadRequest past ``max_depth`` nesting levels.
     Malformed JSON is not judged here: the parser reports it."""
-    text = body
-    if b"\\" in text:
-        text = text.replace(b"\\\\", b"__").replace(b'\\"', b"__")
-    text = text.translate(None, _UNSEEN)
+    text = structure(body)
     values = depth = 0
     for match in _TOKEN.finditer(text):
         kind = match.lastindex
@@ -92,11 +95,40 @@ def scan(body: bytes | bytearray, max_values: int, max_depth: int) -> int:
     return values
 
 
+def structure(body: bytes | bytearray) -> bytes:
+    """What the scan looks at: ``body`` with escapes blanked and every byte but
+    ``"[]{},`` deleted, worked through in pieces of ``PIECE`` bytes. A run of backslashes
+    cut by a piece's end carries over: its pairs are blanked (then deleted) and an odd one
+    left joins the next piece, where it escapes what follows as it would have whole."""
+    out: list[bytes | bytearray] = []
+    carry = b""
+    escapes = b"\\" in body
+    for start in range(0, len(body), PIECE):
+        piece = body[start : start + PIECE]
+        if escapes:
+            piece = carry + piece
+            kept = piece.rstrip(b"\\")
+            carry = b"\\" * ((len(piece) - len(kept)) % 2)
+            piece = kept.replace(b"\\\\", b"__").replace(b'\\"', b"__")
+        out.append(piece.translate(None, _UNSEEN))
+    return b"".join(out)
+
+
+def decode(body: bytes | bytearray) -> str:
+    """``body`` as text, as ``json.loads`` would decode it (UTF-8, -16 or -32 by its first
+    bytes, surrogates passed), in pieces of ``PIECE`` bytes."""
+    encoding = json.detect_encoding(bytes(body[:4]))
+    decoder = codecs.getincrementaldecoder(encoding)("surrogatepass")
+    parts = [decoder.decode(body[i : i + PIECE]) for i in range(0, len(body), PIECE)]
+    parts.append(decoder.decode(b"", final=True))
+    return "".join(parts)
+
+
 def inspect(body: bytes | bytearray, path: str, limits: Limits) -> Inspected:
     """Scan, parse and check ``body`` sent to ``path``; raise the error a client should see."""
     scan(body, limits.max_values, limits.max_depth)
     try:
-        value = json.loads(body, parse_int=_int_parser(limits.max_int_digits))
+        value = json.loads(decode(body), parse_int=_int_parser(limits.max_int_digits))
     except BadRequest:
         raise
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -106,6 +107,8 @@ class BodyGate:
         self.settings = settings
         self.limits = limits_of(settings)
         self.inflight = InFlight(settings.max_body_inflight)
+        # One large body inspected at a time (``_inspect``); the others wait in its queue.
+        self.inspector = ThreadPoolExecutor(1, thread_name_prefix="body-inspect")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
@@ -205,8 +208,12 @@ class BodyGate:
         if len(body) <= SMALL_BODY:
             return inspect(body, path, self.limits)
         # The scan is a Python loop (it lets other threads run between matches) and the
-        # parse of a body within the limits is bounded: neither stalls other clients.
-        return await asyncio.to_thread(inspect, body, path, self.limits)
+        # parse of a body within the limits is bounded: neither stalls other clients. One
+        # body at a time: each C call (a piece's translate or decode, the text's join) holds
+        # the interpreter lock, and four bodies at once added their holds up (/health up to
+        # ~300 ms); the lock runs one thread's Python at a time anyway, so nothing is lost.
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.inspector, inspect, body, path, self.limits)
 
     def _too_large(self, size: int) -> PayloadTooLarge:
         return PayloadTooLarge(

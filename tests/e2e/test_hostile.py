@@ -349,6 +349,47 @@ def test_a_grammar_bomb_is_a_400_and_no_runner_sees_it(
     assert probe.p99() < HEALTH_P99
 
 
+# 52 bytes, every repetition at max_schema_repeat, one member: inside every schema bound.
+NESTED_REPEATS = {"type": "string", "pattern": "^(((a?){0,1024}){0,1024}){0,1024}$"}
+
+
+@pytest.mark.slow
+def test_a_schema_inside_the_bounds_stalls_no_other_slot(server: ServerProcess) -> None:
+    """As GBNF (llama.cpp's chat path) this schema kept the engine's loop for good: another
+    slot's 2-token chat never answered (``^((a?){0,32}){0,32}$`` alone held it 16 s). As
+    an llguidance grammar (engines/llama_grammar.py) it costs what a plain request costs;
+    and a schema llguidance cannot compile is a 400, not an unconstrained answer."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": NESTED_REPEATS}}
+    answers: list[httpx.Response] = []
+
+    def constrained() -> None:
+        body = {**CHAT, "max_tokens": 24, "response_format": fmt}
+        answers.append(httpx.post(server.url + "/v1/chat/completions", json=body, timeout=600))
+
+    def started() -> bool:
+        rows = [row for row in server.ps() if row["id"] == MODEL]
+        return bool(answers) or bool(rows and rows[0]["busy"] > 0)
+
+    worker = threading.Thread(target=constrained, daemon=True)
+    worker.start()
+    wait_for(started, timeout=120, what="the constrained request to reach the engine")
+    plain_body = {**CHAT, "max_tokens": 2}
+    plain = httpx.post(server.url + "/v1/chat/completions", json=plain_body, timeout=120)
+    assert plain.status_code == 200, plain.text[:300]
+    worker.join(timeout=120)
+    assert answers and answers[0].status_code == 200, answers and answers[0].text[:300]
+    choice = answers[0].json()["choices"][0]
+    if choice["finish_reason"] == "stop":
+        assert set(json.loads(choice["message"]["content"])) <= {"a"}
+    foo = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}
+    bad = {**CHAT, "response_format": foo}
+    r = httpx.post(server.url + "/v1/chat/completions", json=bad, timeout=120)
+    assert r.status_code == 400, r.text[:300]
+    assert r.json()["error"]["code"] == "invalid_schema" and "foo" in r.json()["error"]["message"]
+    httpx.post(server.url + f"/api/models/{MODEL}/unload", timeout=60)  # as the module found it
+    wait_for(lambda: nothing_loaded(server), timeout=60, what="the unload")
+
+
 @pytest.mark.slow
 def test_32mb_of_long_integers_is_a_400_and_stalls_no_one(server: ServerProcess) -> None:
     """4,299-digit integers (just inside Python's limit): 1.6 s per /health."""

@@ -405,3 +405,25 @@ def test_a_gguf_without_tensors_is_a_clear_load_error(tmp_path: Path) -> None:
     with pytest.raises(Unprocessable, match="no tensors") as err:
         LlamaEngine().load(spec, LlamaOptions())
     assert err.value.status == 422
+
+
+def test_ps_busy_counts_what_the_engine_still_works_on(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scheduler stops counting a request when its client leaves; the runner keeps
+    counting it until the engine lets go (a grammar still being set up on the engine's
+    loop). /api/elbowroom/ps said idle meanwhile; its busy is now the larger of
+    the two."""
+    from server_fakes import FakeRunner, FakeScheduler
+
+    harness.scheduler.loaded["smollm2-135m"] = False
+    monkeypatch.setattr(
+        FakeScheduler, "ps", lambda self: [{"id": m, "busy": 0} for m in self.loaded]
+    )
+
+    async def stats(self: FakeRunner) -> dict[str, Any]:
+        return {"slots": 4, "slots_busy": 1}
+
+    monkeypatch.setattr(FakeRunner, "stats", stats)
+    row = harness.client.get("/api/elbowroom/ps").json()["models"][0]
+    assert row["busy"] == 1

@@ -17,6 +17,7 @@ from starlette.testclient import TestClient
 from elbowroom.config import Settings
 from elbowroom.errors import EngineError
 from elbowroom.models.spec import GGUFInfo
+from elbowroom.server import jsonscan
 from elbowroom.server.app import create_app
 from elbowroom.server.deps import Services
 from elbowroom.server.jsonscan import Limits, inspect, min_tokens, scan
@@ -66,6 +67,71 @@ def test_scan_of_a_million_messages_stops_early() -> None:
     with pytest.raises(Exception, match="max_json_values"):
         scan(body, 100_000, 64)
     assert time.perf_counter() - began < 1.0  # ~100k matches, not 4M
+
+
+def _whole_structure(body: bytes) -> bytes:
+    """The scan's view of a body as it was computed before pieces: one call each."""
+    text = body.replace(b"\\\\", b"__").replace(b'\\"', b"__")
+    return text.translate(None, jsonscan._UNSEEN)
+
+
+def test_structure_in_pieces_is_the_whole_body_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    import random
+
+    rng = random.Random(28)
+    monkeypatch.setattr(jsonscan, "PIECE", 5)
+    alphabet = [b"\\", b"\\", b"\\", b'"', b"a", b"[", b"]", b",", b"{", b"}"]
+    for _ in range(2000):
+        body = b"".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 40)))
+        assert jsonscan.structure(body) == _whole_structure(body), body
+    # runs of backslashes longer than a piece, odd and even, before a quote
+    for run in range(0, 23):
+        body = b'["' + b"\\" * run + b'", "x"]'
+        assert jsonscan.structure(body) == _whole_structure(body), run
+
+
+def test_decode_in_pieces_is_json_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(jsonscan, "PIECE", 3)
+    doc = {"k": "h\u00e9llo \u2603 \U0001f600", "n": [1, 2]}
+    for raw in (
+        json.dumps(doc, ensure_ascii=False).encode(),
+        json.dumps(doc).encode("utf-16"),
+        json.dumps(doc).encode("utf-32-le"),
+        b"\xef\xbb\xbf" + json.dumps(doc).encode(),
+    ):
+        assert json.loads(jsonscan.decode(raw)) == json.loads(raw) == doc
+    with pytest.raises(ValueError):
+        jsonscan.decode(b'{"a": "\xff"}')
+
+
+class _Watched(bytearray):
+    """A body that records every whole-body C call made on it (each holds the interpreter
+    lock for as long as the body is long)."""
+
+    calls: list[str]
+
+    def translate(self, *args: Any, **kwargs: Any) -> bytearray:
+        self.calls.append("translate")
+        return super().translate(*args, **kwargs)
+
+    def replace(self, *args: Any, **kwargs: Any) -> bytearray:
+        self.calls.append("replace")
+        return super().replace(*args, **kwargs)
+
+    def decode(self, *args: Any, **kwargs: Any) -> str:
+        self.calls.append("decode")
+        return super().decode(*args, **kwargs)
+
+
+def test_a_large_body_is_worked_through_in_pieces() -> None:
+    """Four 32 MB bodies of 4,299-digit integers held /health up to 290 ms: their
+    translate and json.loads' decode each ran over the whole body in one call, holding the
+    interpreter lock throughout. Every pass over the body now goes in pieces."""
+    body = _Watched(b'{"seed": [' + b",".join([b"7" * 4299] * 500) + b'], "p": "\\\\"}')
+    body.calls = []
+    with pytest.raises(Exception, match="max_int_digits"):
+        inspect(body, "/v1/chat/completions", LIMITS)
+    assert body.calls == []
 
 
 def test_inspect_checks() -> None:
@@ -194,6 +260,45 @@ def test_large_bodies_share_the_inflight_budget(make_harness: Callable[..., Harn
     status, body = post(h, big)
     assert status == 503 and body["error"]["code"] == "too_many_large_requests"
     assert h.client.post("/v1/chat/completions", json=big).headers["retry-after"]
+
+
+def test_large_bodies_are_inspected_one_at_a_time(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four bodies of 32 MB inspected by four threads at once added their interpreter-lock
+    holds up: /health waited up to ~300 ms. A second large body now waits its turn."""
+    import threading
+
+    from elbowroom.server import limits
+
+    active, most = [0], [0]
+    turn = threading.Condition()
+
+    def watched(body: Any, path: str, lims: Any) -> Any:
+        with turn:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+            turn.notify_all()
+            # Wait (bounded) for the other body to come in beside this one.
+            turn.wait_for(lambda: active[0] > 1, timeout=2.0)
+        try:
+            return inspect(body, path, lims)
+        finally:
+            with turn:
+                active[0] -= 1
+
+    monkeypatch.setattr(limits, "inspect", watched)
+    big = {"model": "smollm2-135m", "messages": msgs(1, "z" * 300_000)}
+    statuses: list[int] = []
+    senders = [
+        threading.Thread(target=lambda: statuses.append(post(harness, big)[0])) for _ in range(2)
+    ]
+    for sender in senders:
+        sender.start()
+    for sender in senders:
+        sender.join(60)
+    assert statuses == [200, 200]
+    assert most[0] == 1
 
 
 def llm_with_vocab(trained_ctx: int, max_token_bytes: int, tokenizer: str = "gpt2") -> Any:

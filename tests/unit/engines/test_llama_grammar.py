@@ -1,0 +1,94 @@
+"""JSON schemas become llguidance grammars, checked before the engine sees them."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from elbowroom.engines import llama_grammar
+from elbowroom.engines.llama_grammar import constrain
+from elbowroom.errors import BadRequest
+
+NESTED = {"type": "string", "pattern": "^(((a?){0,1024}){0,1024}){0,1024}$"}
+
+
+def fmt(schema: Any) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+def schema_of(grammar: str) -> Any:
+    head, _, schema = grammar.partition("start: %json ")
+    assert head == "%llguidance {}\n"
+    return json.loads(schema)
+
+
+def test_a_response_format_becomes_an_llguidance_grammar() -> None:
+    body = constrain({"messages": [], "response_format": fmt(NESTED)})
+    assert "response_format" not in body
+    sent = schema_of(body["grammar"])
+    assert sent["pattern"] == NESTED["pattern"]
+    assert sent["x-guidance"] == llama_grammar.OPTIONS  # fixed separators, lenient
+
+
+def test_json_object_no_template_and_plain_bodies() -> None:
+    body = constrain({"messages": [], "response_format": {"type": "json_object"}})
+    assert schema_of(body["grammar"])["type"] == "object"
+    body = constrain({"prompt": "x", "json_schema": {"type": "integer"}})
+    assert "json_schema" not in body and schema_of(body["grammar"])["type"] == "integer"
+    text = {"messages": [], "response_format": {"type": "text"}}
+    assert constrain(dict(text)) == text
+    native = {"messages": [], "tools": [{"type": "function"}], "response_format": fmt({})}
+    assert constrain(dict(native)) == native  # the engine's own tool grammar
+
+
+@pytest.mark.parametrize(
+    ("schema", "reason"),
+    [
+        ({"type": "foo"}, "Invalid type: foo"),
+        ({"$ref": "#/nowhere"}, "does not exist"),
+        ({"type": "integer", "minimum": "x"}, "minimum"),
+    ],
+)
+def test_a_schema_llguidance_cannot_compile_is_a_400(schema: Any, reason: str) -> None:
+    """Without the check the engine ran such a request unconstrained (it only logs)."""
+    with pytest.raises(BadRequest) as err:
+        constrain({"messages": [], "response_format": fmt(schema)})
+    assert err.value.status == 400 and err.value.code == "invalid_schema"
+    assert reason in err.value.message and err.value.param == "response_format"
+
+
+def test_keywords_llguidance_lacks_pass_as_before() -> None:
+    schema = {"type": "array", "items": {"type": "string"}, "uniqueItems": True}
+    body = constrain({"messages": [], "response_format": fmt(schema)})
+    assert schema_of(body["grammar"])["uniqueItems"] is True
+
+
+def test_a_repeated_schema_is_checked_once() -> None:
+    llama_grammar.grammar.cache_clear()
+    for _ in range(3):
+        constrain({"messages": [], "response_format": fmt({"enum": ["a", "b"]})})
+    info = llama_grammar.grammar.cache_info()
+    assert (info.misses, info.hits) == (1, 2)
+
+
+def test_objects_with_properties_take_no_other_keys_as_gbnf_read_them() -> None:
+    """An emulated tool call whose parameters left out additionalProperties ran to
+    max_tokens writing keys (llguidance follows JSON Schema: others allowed)."""
+    schema = {
+        "anyOf": [
+            {"type": "object", "properties": {"zone": {"type": "string"}}},
+            {"properties": {"properties": {"type": "object", "properties": {}}}},
+            {"type": "object", "properties": {}, "additionalProperties": True},
+            {"type": "array", "items": {"type": "object", "properties": {"a": {}}}},
+        ]
+    }
+    sent = schema_of(constrain({"messages": [], "response_format": fmt(schema)})["grammar"])
+    zone, nested, open_, array = sent["anyOf"]
+    assert zone["additionalProperties"] is False
+    assert nested["additionalProperties"] is False
+    assert set(nested["properties"]) == {"properties"}  # a property named so stays a property
+    assert nested["properties"]["properties"]["additionalProperties"] is False
+    assert open_["additionalProperties"] is True
+    assert array["items"]["additionalProperties"] is False
