@@ -202,53 +202,39 @@ def test_only_engine_slot_files_are_stored() -> None:
     assert not is_slot_state(b"gg")
 
 
-class _SlowTokenizer:
-    """The engine's control socket, where a slot save under pressure is slow: /tokenize
-    (the first call of a save) waits until the test lets it go."""
+class _CountingControl:
+    """The engine's control socket at the edge: records every call (a slot save is a
+    ``POST /slots/N?action=save`` after a ``/tokenize``)."""
 
     def __init__(self) -> None:
-        self.saving = threading.Event()
-        self.go = threading.Event()
+        self.calls: list[str] = []
 
     def request(self, method: str, path: str, body: Any = None) -> Any:
-        assert path == "/tokenize", path
-        self.saving.set()
-        assert self.go.wait(10), "the test never let the save finish"
-        return {"tokens": [1, 2, 3]}
+        self.calls.append(path)
+        return {"tokens": list(range(1, 400))}
 
 
-def test_a_request_arriving_while_idle_slots_are_saved_waits_for_a_slot(tmp_path: Path) -> None:
-    # Chaos seed 2 (guard on): soft pressure made the runner save its idle slots; requests
-    # that arrived meanwhile found no free slot (max() of an empty set) and got HTTP 500.
-    control = _SlowTokenizer()
+def test_soft_pressure_saves_no_slot_state(tmp_path: Path) -> None:
+    # A chaos run (guard on) logged "saved 1 slot state(s) in 16076 ms" when pressure turned
+    # soft: the save ran on the engine's loop while memory was short, and wrote the state to
+    # the page cache (then read it back and stored it again) at the worst moment. Under
+    # pressure the runner drops instead: the level reaches the engine, nothing is written.
+    from elbowroom.engines.llama import LlamaEngine
+
+    control = _CountingControl()
     key = CacheKey("m", 1024, "f16")
     cache = PrefixCache(key, block_tokens=64, ram_budget=0, disk_dir=tmp_path / "kv", disk_max=MiB)
     slots = Slots(cast(EngineControl, control), 2, cache, tmp_path, block_tokens=64)
     idle = slots.acquire("user: tell me a long story about the sea and its old ships")
-    slots.prepare(idle, "completion", {"prompt": "a long story"})
+    slots.prepare(idle, "completion", {"prompt": "a long story " * 100})
     slots.release(idle)
-    busy = slots.acquire("user: something else entirely")  # a request runs on the other
-    saver = threading.Thread(target=slots.save_idle)
-    saver.start()
-    assert control.saving.wait(10)  # the idle slot is being saved now
-    got: list[int | BaseException] = []
-
-    def second_request() -> None:
-        try:
-            got.append(slots.acquire("user: a third conversation"))
-        except Exception as exc:
-            got.append(exc)
-
-    arriving = threading.Thread(target=second_request)
-    arriving.start()
-    deadline = time.monotonic() + 10
-    while not got and slots.waiting == 0:  # it failed, or it waits for the save
-        assert time.monotonic() < deadline, "the request neither failed nor waited"
-        time.sleep(0.001)
-    control.go.set()
-    saver.join(10)
-    arriving.join(10)
-    assert got == [idle] and idle != busy
+    engine = LlamaEngine(lambda: 1)
+    engine._slot_pool = slots
+    engine._server = object()  # loaded, as far as relieve can tell
+    relieve = getattr(engine, "relieve", None)  # what the worker calls on a rising level
+    if relieve is not None:
+        relieve(1)
+    assert control.calls == [] and list((tmp_path / "kv").glob("**/*.kv*")) == []
 
 
 class _CharEngine:
