@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from elbowroom.errors import MemoryPressure
-from elbowroom.guard.arming import arm_points
+from elbowroom.guard.arming import arm_points, growth_point
 from elbowroom.guard.gpu import gpu_readings
 from elbowroom.guard.ladder import (
     Abort,
@@ -202,6 +202,7 @@ class PressureGuard:
         self._oom_base = own_oom_score_adj()
         self._oom_order: dict[str, int] = {}
         self._oom_warned = False
+        self._growth: int | None = None  # the growth threshold armed last (arming.py)
 
     # --- lifetime --------------------------------------------------------------------
 
@@ -356,6 +357,7 @@ class PressureGuard:
         snap = sample.snapshot
         if snap.cgroup_version != 1:
             return
+        self._growth = growth_point(snap)
         self.watch.arm(arm_points(snap, sample.own_usage, self._budget))
 
     def _order_kills(self, models: list[LoadedModel]) -> None:
@@ -381,7 +383,11 @@ class PressureGuard:
         """The sample's host level, raised to soft when others' memory grows fast enough to
         exhaust what is available within the horizon (``trend.projected``)."""
         snap = sample.snapshot
-        others = max(0, snap.total - snap.available - sample.own_usage)
+        # Not clamped at 0: only its changes count, and in a cgroup it starts below 0 (our
+        # runners' mapped weights are in our usage but their page cache may be charged to
+        # the cgroup that first read the file), so a clamp hid a neighbour's first 100-200
+        # MiB of growth from the rate.
+        others = snap.total - snap.available - sample.own_usage
         self._points.append(Point(sample.at, others, snap.available))
         level, why = projected(self._points, self._horizon)
         if level > sample.level:
@@ -568,6 +574,7 @@ class PressureGuard:
                     "wakeups": self.watch.wakeups,
                     "fast_samples": self.watch.fast_samples,
                     "armed": self.watch.armed,
+                    "growth_point": self._growth,
                     "rearms": self.watch.rearms,
                 }
                 if self.watch is not None
