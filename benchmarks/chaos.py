@@ -960,8 +960,10 @@ def markdown(summaries: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         )
         react += (
             f"; of {relief} relief actions, {len(times)} came from a notification's own "
-            f"sample and {len(later)} from a fast sample within 2 s after one"
+            f"sample, {len(later)} from a fast sample within 2 s after one"
             + (f" ({later[len(later) // 2]:.0f} ms after it, median)" if later else "")
+            + f" and {relief - len(times) - len(later)} from the monitor's own samples "
+            "(no notification within 2 s)"
         )
         verdicts.append(
             f"- **{scenario}**: OOM kills (ours + neighbour) with the guard {kills_g}, without "
