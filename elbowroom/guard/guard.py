@@ -388,7 +388,7 @@ class PressureGuard:
         # the cgroup that first read the file), so a clamp hid a neighbour's first 100-200
         # MiB of growth from the rate.
         others = snap.total - snap.available - sample.own_usage
-        self._points.append(Point(sample.at, others, snap.available))
+        self._points.append(Point(sample.at, others, snap.available, sample.own_usage))
         level, why = projected(self._points, self._horizon)
         if level > sample.level:
             return level, why

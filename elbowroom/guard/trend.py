@@ -16,6 +16,11 @@ neighbour had grown 300-400 MiB by then). A pair closer than ``MIN_SPAN`` counts
 grew at least ``MIN_GROWTH``: that much is no measurement noise, and it is what a kernel
 notification a step above the last sample's usage reports (``arming.growth_point``), so
 the notification's own sample can act.
+
+Our own bytes falling count against others' growth: a sample can read what is available
+before one of our runners exited and our bytes after, and the runner's memory then shows
+up as others' (a 1.9 GiB/s "neighbour" in a chaos run, the sample an eviction finished
+in). A neighbour that really grew meanwhile is seen at the next pair.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class Point:
     at: float  # the monitor's clock, seconds
     others: int  # bytes held by everything but us
     available: int
+    own: int = 0  # our bytes in the same sample
 
 
 def projected(points: Sequence[Point], horizon: float) -> tuple[Pressure, str | None]:
@@ -50,7 +56,8 @@ def projected(points: Sequence[Point], horizon: float) -> tuple[Pressure, str | 
     now = points[-1]
     rate = 0.0
     for p in list(points)[:-1]:
-        span, grew = now.at - p.at, now.others - p.others
+        span = now.at - p.at
+        grew = now.others - p.others - max(0, p.own - now.own)
         if span <= 0 or span > WINDOW or (span < MIN_SPAN and grew < MIN_GROWTH):
             continue
         rate = max(rate, grew / span)

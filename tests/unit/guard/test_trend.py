@@ -51,6 +51,16 @@ def test_the_onset_of_a_burst_is_not_diluted_by_the_window() -> None:
     assert level is Pressure.SOFT and why is not None and "320.0 MiB/s" in why
 
 
+def test_our_own_runner_exiting_is_not_others_growing() -> None:
+    # A chaos sample read available before an evicted LLM's runner exited and our bytes
+    # after: others "grew" 750 MiB in 0.1 s (a 1.9 GiB/s neighbour) and loads paused.
+    pts = [Point(1.0, 500 * MiB, 400 * MiB, 800 * MiB), Point(1.1, 1250 * MiB, 400 * MiB, 50 * MiB)]
+    assert projected(pts, horizon=2.0) == (Pressure.NORMAL, None)
+    # a neighbour growing 300 MiB beyond what we gave back is still growth
+    grown = [pts[0], Point(1.2, 1550 * MiB, 100 * MiB, 50 * MiB)]
+    assert projected(grown, horizon=2.0)[0] is Pressure.SOFT
+
+
 def test_a_short_pair_counts_when_it_grew_more_than_noise() -> None:
     # A kernel notification a step above the last sample's usage wakes a sample 0.1 s
     # after it: 40 MiB in 0.1 s is no jitter, and the notification's own sample must act.
