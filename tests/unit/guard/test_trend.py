@@ -132,6 +132,21 @@ async def test_a_fast_neighbour_pauses_loads_and_frees_one_idle_model_before_the
     assert [c for c in target.calls if c[0] == "unload"] == [("unload", "idle-old")]
 
 
+async def test_soft_by_trend_holds_a_second_instead_of_flapping() -> None:
+    # Chaos (load 16): soft by trend at one sample, normal 55 ms later, soft again: loads
+    # paused and resumed three times in 0.6 s of one burst, and a load could start between.
+    target = Target()
+    guard = PressureGuard(target, horizon=2.0)
+    for at, others in ((0.0, 400), (0.5, 400), (0.8, 496)):  # +320 MiB/s: 384 MiB left
+        await guard.apply(sample(at, others, 400))
+    assert target.calls.count(("pause_loads", True)) == 1
+    await guard.apply(sample(0.855, 497, 400))  # flat for 55 ms: still soft (held)
+    await guard.apply(sample(1.5, 497, 400))  # flat since 0.8: still within the hold
+    assert ("pause_loads", False) not in target.calls
+    await guard.apply(sample(2.0, 497, 400))  # 1.2 s since the trend last said soft
+    assert target.calls[-1] == ("pause_loads", False)
+
+
 async def test_others_growth_counts_from_below_zero() -> None:
     # In a cgroup our measured bytes can exceed what is charged to it (a model's page cache
     # charged where the file was first read), so total - available - ours starts below 0.
