@@ -694,6 +694,61 @@ def outcome(x: Result) -> str:
     return "failed"
 
 
+def _why(x: Result) -> str:
+    """A refusal's or failure's reason in a few words (its error code, or what its message
+    says it waited on)."""
+    if x.status == 200:
+        return ""
+    if "loads are paused" in x.message:
+        return "loads paused"
+    if x.message.startswith("generation aborted"):
+        return "aborted"
+    return x.error.split("/")[-1] if x.error.split("/")[-1] not in ("", "-") else x.error
+
+
+def client_time(results: list[Result]) -> dict[str, dict[str, float]]:
+    """Where the clients' time went: per endpoint, outcome and reason, the number of
+    requests and the seconds they held a client (closed loop: a client waiting on one
+    request sends no other)."""
+    out: dict[str, dict[str, float]] = {}
+    for x in results:
+        o = outcome(x)
+        key = f"{x.endpoint} {o}" + (f" ({_why(x)})" if o != "served" else "")
+        row = out.setdefault(key, {"n": 0, "s": 0.0})
+        row["n"] += 1
+        row["s"] = round(row["s"] + (x.t1 - x.t0), 1)
+    return dict(sorted(out.items()))
+
+
+def _time_table(summaries: list[dict[str, Any]], scenario: str) -> list[str]:
+    """Request-seconds by endpoint and outcome, totals over the seeds, guard vs no guard."""
+    sums: dict[str, dict[str, list[float]]] = {}
+    for s in summaries:
+        if s["scenario"] != scenario or "client_time" not in s:
+            continue
+        for key, row in s["client_time"].items():
+            cell = sums.setdefault(key, {}).setdefault(s["mode"], [0, 0.0])
+            cell[0] += row["n"]
+            cell[1] += row["s"]
+    if not sums:
+        return []
+
+    def cell(key: str, mode: str) -> str:
+        n, secs = sums[key].get(mode, [0, 0.0])
+        return f"{int(n)} / {secs:.0f} s" if n else "-"
+
+    return [
+        f"Where the clients' time went in **{scenario}** (requests / seconds they held a "
+        "client, totals over the seeds; a request still running at the end is counted to "
+        "its end):",
+        "",
+        "| endpoint, outcome (reason) | guard | no-guard |",
+        "|---|---|---|",
+        *(f"| {k} | {cell(k, 'guard')} | {cell(k, 'no-guard')} |" for k in sorted(sums)),
+        "",
+    ]
+
+
 def level_seconds(history: list[dict[str, Any]]) -> dict[str, float]:
     """Seconds the monitor's samples spent at each level (each sample lasts until the next)."""
     out = {"soft": 0.0, "hard": 0.0}
@@ -763,6 +818,7 @@ def summarize(r: Run) -> dict[str, Any]:
         "neighbour_peak_mib": max((n for _, n in r.neighbour), default=0),
         "watch": r.watch,
         "reaction_ms": reaction_ms(r),
+        "client_time": client_time(r.results),
     }
 
 
@@ -960,8 +1016,10 @@ def markdown(summaries: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         )
         react += (
             f"; of {relief} relief actions, {len(times)} came from a notification's own "
-            f"sample and {len(later)} from a fast sample within 2 s after one"
+            f"sample, {len(later)} from a fast sample within 2 s after one"
             + (f" ({later[len(later) // 2]:.0f} ms after it, median)" if later else "")
+            + f" and {relief - len(times) - len(later)} from the monitor's own samples "
+            "(no notification within 2 s)"
         )
         verdicts.append(
             f"- **{scenario}**: OOM kills (ours + neighbour) with the guard {kills_g}, without "
@@ -1046,6 +1104,11 @@ def markdown(summaries: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             "",
             *verdicts,
             "",
+            *(
+                line
+                for scenario in dict.fromkeys(s["scenario"] for s in summaries)
+                for line in _time_table(summaries, scenario)
+            ),
             "Columns: *OOM kills* the cgroup's `memory.oom_control` oom_kill counter; *ours "
             "killed* our runners the kernel SIGKILLed (plus the server, if it died); *lost to "
             "kills* requests that failed because the process serving them was killed (503 "
@@ -1069,6 +1132,20 @@ def markdown(summaries: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             "",
         ]
     )
+
+
+def render(json_path: Path, out: Path) -> int:
+    """The markdown of a recorded run again, from its JSON (the client-time table is
+    computed from the runs' results, so a run recorded before it existed gets it too)."""
+    data = json.loads(json_path.read_text())
+    summaries = data["summaries"]
+    for s, r in zip(summaries, data["runs"], strict=True):
+        s["client_time"] = client_time([Result(**x) for x in r["results"]])
+    meta = {**data["meta"], "patterns": {int(k): v for k, v in data["meta"]["patterns"].items()}}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "chaos.md").write_text(markdown(summaries, meta))
+    print(f"wrote {out}/chaos.md")
+    return 0
 
 
 def _without_out(argv: list[str]) -> list[str]:
@@ -1108,7 +1185,15 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="one seed, 30 s per mode (a smoke run)")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--logs", type=Path, default=None, help="copy each run's server log here")
+    p.add_argument(
+        "--render",
+        type=Path,
+        default=None,
+        help="write --out/chaos.md again from this chaos.json (no run)",
+    )
     args = p.parse_args()
+    if args.render is not None:
+        return render(args.render, args.out)
     global KEEP_LOGS
     KEEP_LOGS = args.logs
     if not v1_available():

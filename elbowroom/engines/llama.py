@@ -235,23 +235,19 @@ class LlamaEngine:
         return out
 
     def relieve(self, level: int) -> None:
-        """Pressure rose to ``level``. Soft: save the idle slots' states to the disk tier, so
-        that the unload soft pressure may bring next loses no prefix. Hard: nothing — a
-        save holds a slot's state in memory for 0.2-0.9 s when memory is needed now (``close``
-        skips its save at hard pressure for the same reason). The engine's RAM prompt cache
-        cannot shrink while it runs: it is a grant fixed at load, given back by unloading."""
-        if level >= Pressure.HARD:
-            return
-        if self._slot_pool is not None and self._server is not None:
-            try:
-                self._slot_pool.save_idle()
-            except Exception:
-                log.exception("saving idle slots under pressure failed")
+        """Pressure rose to ``level``: nothing is saved (dropped, not saved). A slot save runs
+        on the engine's loop and writes the state into the page cache, then reads it back
+        and stores it again: under pressure that stalled serving (16 s in a chaos run) and
+        *added* two to three copies of each state to the cgroup's usage at the worst moment.
+        The states stay in their slots and the engine's RAM prompt cache (a budgeted grant,
+        given back by unloading the runner); an unload at soft still saves every slot when
+        it closes the runner (``close``), one at hard saves none."""
+        log.debug("memory pressure level %d: slot states are not saved under pressure", level)
 
     def close(self, *, process_exit: bool = False) -> None:
         if self._pressure() >= Pressure.HARD:
             # Memory is needed now: saving every slot takes 0.2-0.9 s before any of it comes
-            # back. Idle slots were saved when pressure turned soft (``relieve``).
+            # back (and under pressure idle slots are not saved either: ``relieve``).
             log.warning("memory pressure is hard: closing without saving slot states")
         elif self._slot_pool is not None and self._server is not None:
             try:

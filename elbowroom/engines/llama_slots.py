@@ -11,9 +11,9 @@ cheaper than recomputing those tokens. The engine then reuses the common token p
 
 Slots are assigned here, not by the engine: each request takes a free slot, preferring the
 slot whose last request shares the longest prefix with this one, so a conversation keeps
-its slot. The runner runs at most ``slots`` requests at once, so a slot is free unless one
-is held for a save under pressure: that save holds one slot at a time, and a request that
-finds none free waits for it (chaos seed 2 once got HTTP 500s from an empty free set).
+its slot. The runner runs at most ``slots`` requests at once, so a slot is normally free;
+a request that finds none free waits for one (chaos seed 2 once got HTTP 500s from an
+empty free set, when idle slots were held for saves under pressure, no longer done).
 """
 
 from __future__ import annotations
@@ -352,26 +352,6 @@ class Slots:
             return False
         finally:
             path.unlink(missing_ok=True)
-
-    def save_idle(self) -> int:
-        """Under pressure: the states of the slots no request runs on. Each is held while it
-        is saved (no request starts on a slot mid-save), one at a time, so a request that
-        arrives meanwhile takes another idle slot or waits for this one, never fails."""
-        if self._cache is None:
-            return 0
-        with self._lock:
-            idle = sorted(self._free)
-        written = 0
-        for slot in idle:
-            with self._lock:
-                if slot not in self._free:
-                    continue  # a request took it meanwhile: its state is in use, not idle
-                self._free.discard(slot)
-            try:
-                written += self._save([slot])
-            finally:
-                self.release(slot)
-        return written
 
     def save_all(self) -> int:
         """Before the runner exits: every slot's state into the disk tier. Returns the

@@ -10,6 +10,14 @@ higher), for the smallest ``d`` at which ``assess`` says soft, and hard (a bisec
 the real functions, so the points cannot drift from the levels), and re-arms the cgroup v1
 thresholds at ``usage + d`` (``watch.PressureWatch.arm``). PSI is left out of the
 what-if (it has its own trigger); the trend's soft (``trend.py``) is not a byte level.
+
+The trend is what a fast neighbour trips first (others growing 300 MiB/s reach the
+projection's soft a second before they reach the byte levels), and it needs a sample to
+see the growth. So a third threshold sits a step above the sample's usage
+(``growth_point``): usage growing that much wakes a sample at once, the trend sees the
+growth in it (``trend.MIN_GROWTH``), and the notification's own sample pauses loads and
+unloads. Every sample re-arms it a step above its usage, so a burst wakes a sample every
+step (at most a tenth of a core: ``watch.COST_SHARE``).
 """
 
 from __future__ import annotations
@@ -20,9 +28,14 @@ from elbowroom.memory.budget import BudgetConfig, assess
 from elbowroom.memory.pools import host_pool
 from elbowroom.memory.types import Pressure, Snapshot
 
-__all__ = ["arm_points", "level_if_others_grow"]
+__all__ = ["arm_points", "growth_point", "level_if_others_grow"]
 
 RESOLUTION = 1024 * 1024  # a point closer than this to the true one is close enough
+# The growth threshold's step above the sample's usage: at least trend.MIN_GROWTH (so the
+# sample it wakes counts the growth) plus room for our own jitter; 2.5 % of the limit in
+# a large cgroup (~0.1 s of a 320 MiB/s neighbour in the chaos run's 1.2 GiB).
+GROWTH_STEP = 32 * 1024 * 1024
+GROWTH_FRACTION = 0.025
 
 
 def level_if_others_grow(snap: Snapshot, own: int, grow: int, cfg: BudgetConfig) -> Pressure:
@@ -58,14 +71,25 @@ def _smallest(snap: Snapshot, own: int, cfg: BudgetConfig, level: Pressure) -> i
     return hi
 
 
+def growth_point(snap: Snapshot) -> int | None:
+    """The cgroup usage a step above this sample's (``GROWTH_STEP``, or ``GROWTH_FRACTION``
+    of the limit when larger); None outside a limited v1 cgroup or past its limit."""
+    if snap.cgroup_version != 1 or snap.cgroup_usage is None or snap.cgroup_limit is None:
+        return None
+    at = snap.cgroup_usage + max(GROWTH_STEP, int(snap.cgroup_limit * GROWTH_FRACTION))
+    return at if at < snap.cgroup_limit else None
+
+
 def arm_points(snap: Snapshot, own: int, cfg: BudgetConfig) -> tuple[int, ...]:
     """The cgroup usages (bytes, ascending) at which this sample would turn soft and hard,
-    for the levels it is not at yet; () outside a limited cgroup v1 or with no such point.
-    A usage threshold fires on every crossing, both ways, so a level already reached gets
-    no point (the fixed fractions and the fast samples follow it down)."""
+    for the levels it is not at yet, and the growth point a step above its usage; () outside
+    a limited cgroup v1. A usage threshold fires on every crossing, both ways, so a level
+    already reached gets no point (the fixed fractions and the fast samples follow it
+    down)."""
     if snap.cgroup_version != 1 or snap.cgroup_usage is None or snap.cgroup_limit is None:
         return ()
-    points = []
+    growth = growth_point(snap)
+    points = [] if growth is None else [growth]
     for level in (Pressure.SOFT, Pressure.HARD):
         d = _smallest(snap, own, cfg, level)
         if d is not None and d > 0:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from elbowroom.errors import MemoryPressure
-from elbowroom.guard.arming import arm_points
+from elbowroom.guard.arming import arm_points, growth_point
 from elbowroom.guard.gpu import gpu_readings
 from elbowroom.guard.ladder import (
     Abort,
@@ -60,6 +60,10 @@ log = logging.getLogger("elbowroom.guard")
 _RELIEF = (PauseLoads, CloseAdmission, Unload, Abort)
 REACTIONS_KEPT = 1000  # reaction times kept for /api/guard's percentiles
 LINGER = 2.0  # a relief action this soon after a notification is reported against it
+# Soft by trend holds this long after the trend last said so: a burst measured at 423 MiB/s
+# read as normal 55 ms later (a pair too close to count, the window's rate just under the
+# line) and loads resumed and paused three times in 0.6 s of one burst (chaos, load 16).
+TREND_HOLD = 1.0
 
 
 def own_oom_score_adj(path: str = "/proc/self/oom_score_adj") -> int:
@@ -174,6 +178,7 @@ class PressureGuard:
         self._budget = budget
         self._horizon = horizon  # trend.projected: 0 = off (the server passes its knob)
         self._points: deque[Point] = deque(maxlen=64)
+        self._trend_soft: tuple[float, str | None] | None = None  # (at, why): the last soft
         self._level_now = Pressure.NORMAL  # the highest pool's level at the last sample
         self._gpu_levels: dict[str, str] = {}  # GPU pool -> level label at the last sample
         self.enabled = enabled
@@ -202,6 +207,7 @@ class PressureGuard:
         self._oom_base = own_oom_score_adj()
         self._oom_order: dict[str, int] = {}
         self._oom_warned = False
+        self._growth: int | None = None  # the growth threshold armed last (arming.py)
 
     # --- lifetime --------------------------------------------------------------------
 
@@ -356,6 +362,7 @@ class PressureGuard:
         snap = sample.snapshot
         if snap.cgroup_version != 1:
             return
+        self._growth = growth_point(snap)
         self.watch.arm(arm_points(snap, sample.own_usage, self._budget))
 
     def _order_kills(self, models: list[LoadedModel]) -> None:
@@ -381,9 +388,17 @@ class PressureGuard:
         """The sample's host level, raised to soft when others' memory grows fast enough to
         exhaust what is available within the horizon (``trend.projected``)."""
         snap = sample.snapshot
-        others = max(0, snap.total - snap.available - sample.own_usage)
-        self._points.append(Point(sample.at, others, snap.available))
+        # Not clamped at 0: only its changes count, and in a cgroup it starts below 0 (our
+        # runners' mapped weights are in our usage but their page cache may be charged to
+        # the cgroup that first read the file), so a clamp hid a neighbour's first 100-200
+        # MiB of growth from the rate.
+        others = snap.total - snap.available - sample.own_usage
+        self._points.append(Point(sample.at, others, snap.available, sample.own_usage))
         level, why = projected(self._points, self._horizon)
+        if level >= Pressure.SOFT:
+            self._trend_soft = (sample.at, why)
+        elif self._trend_soft is not None and sample.at - self._trend_soft[0] < TREND_HOLD:
+            level, why = Pressure.SOFT, f"{self._trend_soft[1]} (held {TREND_HOLD:g} s)"
         if level > sample.level:
             return level, why
         # The signals that set the sample's level (PSI, the machine's available memory,
@@ -568,6 +583,7 @@ class PressureGuard:
                     "wakeups": self.watch.wakeups,
                     "fast_samples": self.watch.fast_samples,
                     "armed": self.watch.armed,
+                    "growth_point": self._growth,
                     "rearms": self.watch.rearms,
                 }
                 if self.watch is not None

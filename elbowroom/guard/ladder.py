@@ -9,8 +9,9 @@ The rungs, in order (each level does everything the levels below it do):
 - normal: resume loads, tell LLM runners level 0,
   re-open admission once the hard episode is over.
 - soft (usage over ``soft_fraction`` of the limit, or PSI over ``psi_soft``):
-  pause new loads; tell LLM runners level 1 (they save their idle slots' KV state to the
-  disk tier, so the unloads that follow lose no prefix); unload
+  pause new loads; tell LLM runners level 1 (they write nothing under pressure: a slot
+  save stalls the engine and adds its state to the page cache; an unload at soft still
+  saves the runner's slots as it closes); unload
   idle unpinned models, least recently used first (keep-alive does not protect them),
   until the bytes over the soft threshold are freed. When usage is not over in bytes (the
   level comes from PSI, which is a 10 s average and lags), one model goes when the level
@@ -142,16 +143,15 @@ class ResumeLoads:
 
 @dataclass(frozen=True, slots=True)
 class SetPressure:
-    """Send a level to an LLM runner: >= 1 saves its idle slots to disk, 2 aborts generation."""
+    """Send a level to an LLM runner: 2 refuses and aborts generation (1 is recorded: an
+    unload at soft saves the slots, one at hard does not)."""
 
     model: str
     level: Pressure
     previous: Pressure
 
     def message(self) -> str:
-        return f"runner {self.model}: pressure {self.previous.label} -> {self.level.label}" + (
-            " (it saves its idle slots to the KV disk tier)" if self.level > self.previous else ""
-        )
+        return f"runner {self.model}: pressure {self.previous.label} -> {self.level.label}"
 
 
 @dataclass(frozen=True, slots=True)

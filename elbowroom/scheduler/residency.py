@@ -57,6 +57,7 @@ from elbowroom.units import format_size
 # Retry-After (s) of a load refused because loads stayed paused: a pressure episode (a
 # neighbour's burst, an unload settling) is seconds long.
 PAUSED_RETRY_AFTER = 5.0
+PAUSED_FIT_CHECK = 1.0  # seconds between a paused load's checks that it could fit at all
 
 __all__ = ["Residency"]
 
@@ -208,7 +209,7 @@ class Residency:
         try:
             await self._check_template(spec)
             while True:
-                await self._wait_unpaused(spec.id)
+                await self._wait_unpaused(spec)
                 async with self._load_lock:
                     if self.loads_paused:  # paused while this load queued for the lock
                         continue
@@ -315,15 +316,28 @@ class Residency:
         )
         return sample, state, plan, decision
 
-    async def _wait_unpaused(self, model_id: str) -> None:
+    async def _wait_unpaused(self, spec: ModelSpec) -> None:
         """Wait while loads are paused under memory pressure, at most ``load_pause_wait``
         seconds, then 503 with a Retry-After: a client retries a little later instead of
-        holding its request open through the whole episode."""
+        holding its request open through the whole episode. A load that could not fit now
+        even with every idle model evicted (the memory is others', not ours to give) is the
+        507 it would be without the guard, at once: the pause would only make its client
+        wait 15 s for the same answer (the fast chaos run: clients held on such loads while
+        a neighbour held the cgroup, their requests for loaded models never sent)."""
         if not self.loads_paused:
             return
+        model_id = spec.id
         log.info("load of %s waits: loads are paused under memory pressure", model_id)
-        deadline = self._clock() + self.settings.load_pause_wait
+        now = self._clock()
+        deadline = now + self.settings.load_pause_wait
+        fit_check = now
         while self.loads_paused:
+            if self._clock() >= fit_check:
+                fit_check = self._clock() + PAUSED_FIT_CHECK
+                decision = self.consider(spec)[3]
+                if isinstance(decision, policy.Refuse):
+                    log.info("load of %s cannot fit while paused: refused now", model_id)
+                    raise self._refusal(decision)
             if self._clock() >= deadline:
                 self.counters["refusals_503"] += 1
                 raise MemoryPressure(

@@ -116,7 +116,8 @@ def test_a_crossing_wakes_the_guard_before_the_monitor_s_next_tick(
         # points. Re-read them after one more kernel wake-up so they include the model.
         neighbour = Neighbour(cgroup)
         usage = cgroup.usage
-        armed = guard["watch"]["armed"]
+        growth = guard["watch"]["growth_point"]  # a step above usage: the trend's (off here)
+        armed = [a for a in guard["watch"]["armed"] if growth is None or abs(a - growth) > 4 * MiB]
         assert armed, guard["watch"]
         soft_point = armed[0]
         assert usage < soft_point < LIMIT
@@ -152,6 +153,73 @@ def test_a_crossing_wakes_the_guard_before_the_monitor_s_next_tick(
         assert neighbour.send("-").startswith(b"ok 0")
         assert cgroup.oom_kills == 0
         assert server.proc is not None and server.proc.poll() is None
+    finally:
+        if neighbour is not None:
+            neighbour.close()
+        server.stop(timeout=30)
+
+
+def test_memory_growing_fast_wakes_the_guard_below_every_level(
+    cgroup: Cgroup, tmp_path: Path
+) -> None:
+    """The fast chaos neighbour trips the trend (others growing fast enough to exhaust what
+    is available within the horizon) a second before any byte level, and nothing but a
+    sample sees a trend. The threshold armed a step above the last sample's usage wakes
+    one as the neighbour grows: the relief action comes from the kernel's notification,
+    with no level's threshold crossed and the monitor's next tick a minute away. (Before,
+    the first notification was the fixed 80 % threshold: nothing here crossed it, and the
+    guard did nothing until its tick.) The horizon is long so that the neighbour's speed
+    on a busy machine does not matter: any steady growth is a trend at 60 s."""
+    server = ServerProcess(
+        tmp_path,
+        "--ctx",
+        "1024",
+        "--preload",
+        LLM,
+        env={
+            "ELBOWROOM_MONITOR_INTERVAL": "60",
+            "ELBOWROOM_PRESSURE_HORIZON": "60",
+            "ELBOWROOM_PSI_SOFT": "100",
+            "ELBOWROOM_PSI_HARD": "100",
+        },
+        prefix=cgroup.command(),
+    )
+    neighbour: Neighbour | None = None
+    try:
+        http = httpx.Client(base_url=server.start().url, timeout=30)
+        wait_for(lambda: LLM in ready(http), timeout=180, what=f"{LLM} to load")
+
+        def relief() -> list[dict[str, Any]]:
+            events = http.get("/api/guard?events=1000").json()["events"]
+            return [e for e in events if e["kind"] in ("pause_loads", "unload")]
+
+        # the load itself is ours, not a trend: settled, nothing relieved
+        wait_for(
+            lambda: http.get("/api/guard").json()["watch"]["growth_point"],
+            timeout=30,
+            what="a growth threshold armed",
+        )
+        assert not relief()
+        neighbour = Neighbour(cgroup)
+        watch = http.get("/api/guard").json()["watch"]
+        growth = watch["growth_point"]
+        levels = [a for a in watch["armed"] if abs(a - growth) > 4 * MiB]
+        # grow in 8 MiB steps up to 64 MiB past the growth point, below every other threshold
+        ceiling = min([*levels, int(LIMIT * 0.80)])
+        target = growth + 64 * MiB
+        assert target < ceiling - 16 * MiB, (growth, levels)
+        while cgroup.usage < target:
+            assert neighbour.send("+8").startswith(b"ok")
+        timed = wait_for(
+            lambda: [e for e in relief() if e["reaction"] is not None],
+            timeout=30,
+            what="a relief action woken by the growth threshold",
+        )
+        assert timed[0]["level"] == "soft" and cgroup.usage < ceiling
+        state = http.get("/api/guard").json()
+        assert state["watch"]["wakeups"] >= 1 and state["reaction"]["count"] >= 1
+        assert neighbour.send("-").startswith(b"ok 0")
+        assert cgroup.oom_kills == 0
     finally:
         if neighbour is not None:
             neighbour.close()

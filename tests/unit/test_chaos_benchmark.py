@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import random
 
-from chaos import RETRIES, STEP_MIB, Result, level_seconds, neighbour_pattern, outcome, retry_delay
+from chaos import (
+    RETRIES,
+    STEP_MIB,
+    Result,
+    client_time,
+    level_seconds,
+    neighbour_pattern,
+    outcome,
+    retry_delay,
+)
 
 
 def test_neighbour_pattern_is_the_seeds_own_and_fills_the_duration() -> None:
@@ -62,3 +71,20 @@ def test_a_refused_request_is_retried_after_retry_after_at_most_twice() -> None:
     assert retry_delay(200, 0.0, 0) is None
     assert retry_delay(0, 0.0, 0) is None  # a timeout or a dropped connection: not retried
     assert retry_delay(500, 0.0, 0) is None
+
+
+def test_client_time_says_what_each_client_waited_on() -> None:
+    paused = "cannot load 'smollm2-135m' now: loads are paused under memory pressure"
+    results = [
+        Result(0.0, 40.0, "chat", "smollm2-135m", 503, "memory_pressure/-", paused),
+        Result(0.0, 20.0, "chat", "gemma3-270m", 200),
+        Result(20.0, 50.0, "chat", "gemma3-270m", 200),
+        Result(1.0, 1.1, "chat", "gemma3-270m", 507, "insufficient_memory/insufficient_memory"),
+        Result(2.0, 3.0, "embeddings", "minilm-l6-v2", 503, "service_unavailable/runner_crashed"),
+    ]
+    assert client_time(results) == {
+        "chat 503 (loads paused)": {"n": 1, "s": 40.0},
+        "chat 507 (insufficient_memory)": {"n": 1, "s": 0.1},
+        "chat served": {"n": 2, "s": 50.0},
+        "embeddings failed (runner_crashed)": {"n": 1, "s": 1.0},
+    }

@@ -149,53 +149,37 @@ def test_only_engine_slot_files_are_stored() -> None:
     assert not is_slot_state(b"gg")
 
 
-class _SlowTokenizer:
-    """The engine's control socket, where a slot save under pressure is slow: /tokenize
-    (the first call of a save) waits until the test lets it go."""
+class _CountingControl:
+    """The engine's control socket at the edge: records every call (a slot save is a
+    ``POST /slots/N?action=save`` after a ``/tokenize``)."""
 
     def __init__(self) -> None:
-        self.saving = threading.Event()
-        self.go = threading.Event()
+        self.calls: list[str] = []
 
     def request(self, method: str, path: str, body: Any = None) -> Any:
-        assert path == "/tokenize", path
-        self.saving.set()
-        assert self.go.wait(10), "the test never let the save finish"
-        return {"tokens": [1, 2, 3]}
+        self.calls.append(path)
+        return {"tokens": list(range(1, 400))}
 
 
-def test_a_request_arriving_while_idle_slots_are_saved_waits_for_a_slot(tmp_path: Path) -> None:
-    # Chaos seed 2 (guard on): soft pressure made the runner save its idle slots; requests
-    # that arrived meanwhile found no free slot (max() of an empty set) and got HTTP 500.
-    control = _SlowTokenizer()
+def test_soft_pressure_saves_no_slot_state(tmp_path: Path) -> None:
+    # A chaos run (guard on) logged "saved 1 slot state(s) in 16076 ms" when pressure turned
+    # soft: the save ran on the engine's loop while memory was short, and wrote the state to
+    # the page cache (then read it back and stored it again) at the worst moment. Under
+    # pressure the runner drops instead: the level reaches the engine, nothing is written.
+    from elbowroom.engines.llama import LlamaEngine
+
+    control = _CountingControl()
     key = CacheKey("m", 1024, "f16")
     cache = PrefixCache(key, block_tokens=64, ram_budget=0, disk_dir=tmp_path / "kv", disk_max=MiB)
     slots = Slots(cast(EngineControl, control), 2, cache, tmp_path, block_tokens=64)
     idle = slots.acquire("user: tell me a long story about the sea and its old ships")
-    slots.prepare(idle, "completion", {"prompt": "a long story"})
+    slots.prepare(idle, "completion", {"prompt": "a long story " * 100})
     slots.release(idle)
-    busy = slots.acquire("user: something else entirely")  # a request runs on the other
-    saver = threading.Thread(target=slots.save_idle)
-    saver.start()
-    assert control.saving.wait(10)  # the idle slot is being saved now
-    got: list[int | BaseException] = []
-
-    def second_request() -> None:
-        try:
-            got.append(slots.acquire("user: a third conversation"))
-        except Exception as exc:
-            got.append(exc)
-
-    arriving = threading.Thread(target=second_request)
-    arriving.start()
-    deadline = time.monotonic() + 10
-    while not got and slots.waiting == 0:  # it failed, or it waits for the save
-        assert time.monotonic() < deadline, "the request neither failed nor waited"
-        time.sleep(0.001)
-    control.go.set()
-    saver.join(10)
-    arriving.join(10)
-    assert got == [idle] and idle != busy
+    engine = LlamaEngine(lambda: 1)
+    engine._slot_pool = slots
+    engine._server = object()  # loaded, as far as relieve can tell
+    engine.relieve(1)  # what the worker calls on a rising level
+    assert control.calls == [] and list((tmp_path / "kv").glob("**/*.kv*")) == []
 
 
 class _CharEngine:
@@ -322,13 +306,11 @@ def test_a_new_runner_tokenizes_only_what_a_saved_prompt_lacks(tmp_path: Path) -
         assert engine.renders == renders + len(calls)
 
 
-@pytest.mark.parametrize(("level", "saved"), [(1, True), (2, False)])
-def test_relief_saves_idle_slots_at_soft_pressure_and_not_at_hard(
-    tmp_path: Path, level: int, saved: bool
-) -> None:
-    """``relieve`` used to ignore its level: a jump to hard pressure started a 0.2-0.9 s
-    save, holding a slot's state in memory just when memory was needed (close skips its
-    save at hard pressure for that reason)."""
+@pytest.mark.parametrize("level", [1, 2])
+def test_relief_saves_no_slot_state_at_any_level(tmp_path: Path, level: int) -> None:
+    """``relieve`` once ignored its level (a jump to hard started a 0.2-0.9 s save), then
+    saved at soft only; a save under pressure stalls the engine's loop and adds copies of
+    the state to the cgroup, so no level saves (an unload at soft still saves in close)."""
     from elbowroom.engines.llama import LlamaEngine
 
     control = _SlowTokenizer()
@@ -342,4 +324,4 @@ def test_relief_saves_idle_slots_at_soft_pressure_and_not_at_hard(
     engine = LlamaEngine(lambda: level)
     engine._slot_pool, engine._server = slots, object()  # a loaded engine, at its edges
     engine.relieve(level)
-    assert control.saving.is_set() is saved
+    assert not control.saving.is_set()

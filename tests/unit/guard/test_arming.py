@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from elbowroom.guard.arming import RESOLUTION, arm_points, level_if_others_grow
+from elbowroom.guard.arming import (
+    GROWTH_STEP,
+    RESOLUTION,
+    arm_points,
+    growth_point,
+    level_if_others_grow,
+)
 from elbowroom.memory.budget import BudgetConfig
 from elbowroom.memory.types import Pressure, Snapshot
 
@@ -25,8 +31,10 @@ def in_cgroup(limit: int, usage: int, inactive: int = 0) -> Snapshot:
 def test_points_are_where_the_levels_start() -> None:
     snap = in_cgroup(1280 * MiB, 500 * MiB)
     own = 300 * MiB
-    soft, hard = arm_points(snap, own, CFG)
+    points = arm_points(snap, own, CFG)
     assert snap.cgroup_usage is not None
+    assert growth_point(snap) == snap.cgroup_usage + GROWTH_STEP in points
+    soft, hard = (p for p in points if p != growth_point(snap))
     assert snap.cgroup_usage < soft < hard < 1280 * MiB
     d_soft, d_hard = soft - snap.cgroup_usage, hard - snap.cgroup_usage
     # at each point the level is there; a resolution below it, it is not yet
@@ -41,15 +49,16 @@ def test_points_move_with_our_usage() -> None:
     soft sooner (our bytes against a limit that shrinks with what is available reach its
     soft threshold before available reaches the container's floor)."""
     snap = in_cgroup(1280 * MiB, 1150 * MiB)
-    light = arm_points(snap, 100 * MiB, CFG)
-    heavy = arm_points(snap, 1000 * MiB, CFG)
+    growth = growth_point(snap)
+    light = [p for p in arm_points(snap, 100 * MiB, CFG) if p != growth]
+    heavy = [p for p in arm_points(snap, 1000 * MiB, CFG) if p != growth]
     assert heavy[0] < light[0] - 8 * MiB
 
 
 def test_a_level_already_reached_gets_no_point() -> None:
     snap = in_cgroup(1280 * MiB, 1200 * MiB)  # 80 MiB left: past the 7.5 % soft floor
     assert level_if_others_grow(snap, 100 * MiB, 0, CFG) == Pressure.SOFT
-    points = arm_points(snap, 100 * MiB, CFG)
+    points = [p for p in arm_points(snap, 100 * MiB, CFG) if p != growth_point(snap)]
     assert len(points) == 1 and 1200 * MiB < points[0] < 1280 * MiB
 
 
@@ -58,3 +67,19 @@ def test_no_points_outside_a_v1_cgroup() -> None:
     assert arm_points(host, GiB, CFG) == ()
     v2 = dataclasses.replace(in_cgroup(GiB, 300 * MiB), cgroup_version=2)
     assert arm_points(v2, 100 * MiB, CFG) == ()
+
+
+def test_a_growth_point_a_step_above_usage_follows_every_sample() -> None:
+    """The trend (others growing fast) is what a fast neighbour trips first, a second before
+    the byte levels: a threshold a step above the sample's usage wakes a sample as soon as
+    usage grows that much, wherever the levels are; it moves with each sample's usage."""
+    for usage in (300 * MiB, 700 * MiB):
+        snap = in_cgroup(1280 * MiB, usage)
+        assert usage + GROWTH_STEP in arm_points(snap, 100 * MiB, CFG)
+        assert min(arm_points(snap, 100 * MiB, CFG)) == usage + GROWTH_STEP
+    # a large cgroup: 2.5 % of its limit; past the limit: none
+    big = in_cgroup(8 * GiB, 2 * GiB)
+    assert growth_point(big) == 2 * GiB + int(8 * GiB * 0.025)
+    assert growth_point(in_cgroup(1280 * MiB, 1260 * MiB)) is None
+    host = Snapshot("linux", 24 * GiB, 20 * GiB, 4 * GiB, 24 * GiB, 20 * GiB)
+    assert growth_point(host) is None

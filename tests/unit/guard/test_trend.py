@@ -23,7 +23,8 @@ def test_soft_when_others_grow_fast_enough_to_exhaust_available_within_the_horiz
     pts = [Point(0.0, 500 * MiB, 350 * MiB), Point(1.0, 550 * MiB, 250 * MiB)]
     pts.append(Point(1.5, 650 * MiB, 150 * MiB))
     level, why = projected(pts, horizon=2.0)
-    assert level is Pressure.SOFT and why is not None and "1.5 s" in why
+    # the steepest rate in the window: +200 MiB/s over the last 0.5 s
+    assert level is Pressure.SOFT and why is not None and "200.0 MiB/s" in why and "0.8 s" in why
     # the same growth with 400 MiB available (4 s) is not soft yet
     far = [Point(0.0, 500 * MiB, 600 * MiB), Point(1.0, 600 * MiB, 400 * MiB)]
     assert projected(far, horizon=2.0) == (Pressure.NORMAL, None)
@@ -32,12 +33,42 @@ def test_soft_when_others_grow_fast_enough_to_exhaust_available_within_the_horiz
     assert projected(flat, horizon=2.0) == (Pressure.NORMAL, None)
     assert projected(pts, horizon=0.0) == (Pressure.NORMAL, None)
     assert projected(pts[-1:], horizon=2.0) == (Pressure.NORMAL, None)
-    close = [Point(1.4, 600 * MiB, 200 * MiB), Point(1.5, 650 * MiB, 150 * MiB)]
+    close = [Point(1.4, 600 * MiB, 200 * MiB), Point(1.5, 610 * MiB, 150 * MiB)]
     assert projected(close, horizon=2.0) == (Pressure.NORMAL, None)
     # only the last 1.5 s count: an old low point does not make today's rate
     old = [Point(-10.0, 0, 900 * MiB), Point(0.0, 650 * MiB, 150 * MiB)]
     old.append(Point(1.0, 650 * MiB, 150 * MiB))
     assert projected(old, horizon=2.0) == (Pressure.NORMAL, None)
+
+
+def test_the_onset_of_a_burst_is_not_diluted_by_the_window() -> None:
+    # The fast chaos neighbour: flat, then +320 MiB/s for 0.3 s, 400 MiB available. Over
+    # the 1.3 s window that is 74 MiB/s (5.4 s left: normal); the burst itself leaves
+    # 1.25 s. The old rate (oldest point to newest) saw it a second later.
+    pts = [Point(t, 500 * MiB, 496 * MiB) for t in (0.0, 0.5, 1.0)]
+    pts.append(Point(1.3, 596 * MiB, 400 * MiB))
+    level, why = projected(pts, horizon=2.0)
+    assert level is Pressure.SOFT and why is not None and "320.0 MiB/s" in why
+
+
+def test_our_own_runner_exiting_is_not_others_growing() -> None:
+    # A chaos sample read available before an evicted LLM's runner exited and our bytes
+    # after: others "grew" 750 MiB in 0.1 s (a 1.9 GiB/s neighbour) and loads paused.
+    pts = [Point(1.0, 500 * MiB, 400 * MiB, 800 * MiB), Point(1.1, 1250 * MiB, 400 * MiB, 50 * MiB)]
+    assert projected(pts, horizon=2.0) == (Pressure.NORMAL, None)
+    # a neighbour growing 300 MiB beyond what we gave back is still growth
+    grown = [pts[0], Point(1.2, 1550 * MiB, 100 * MiB, 50 * MiB)]
+    assert projected(grown, horizon=2.0)[0] is Pressure.SOFT
+
+
+def test_a_short_pair_counts_when_it_grew_more_than_noise() -> None:
+    # A kernel notification a step above the last sample's usage wakes a sample 0.1 s
+    # after it: 40 MiB in 0.1 s is no jitter, and the notification's own sample must act.
+    pts = [Point(1.0, 500 * MiB, 340 * MiB), Point(1.1, 540 * MiB, 300 * MiB)]
+    assert projected(pts, horizon=2.0)[0] is Pressure.SOFT
+    # a few MiB in 0.1 s is noise: no rate from so short a pair
+    jitter = [Point(1.0, 500 * MiB, 40 * MiB), Point(1.1, 506 * MiB, 34 * MiB)]
+    assert projected(jitter, horizon=2.0) == (Pressure.NORMAL, None)
 
 
 def sample(at: float, others_mib: int, own_mib: int, total_mib: int = 1280) -> Sample:
@@ -99,6 +130,32 @@ async def test_a_fast_neighbour_pauses_loads_and_frees_one_idle_model_before_the
         await guard.apply(sample(at, 656, 300))
     assert target.calls[-1] == ("pause_loads", False)
     assert [c for c in target.calls if c[0] == "unload"] == [("unload", "idle-old")]
+
+
+async def test_soft_by_trend_holds_a_second_instead_of_flapping() -> None:
+    # Chaos (load 16): soft by trend at one sample, normal 55 ms later, soft again: loads
+    # paused and resumed three times in 0.6 s of one burst, and a load could start between.
+    target = Target()
+    guard = PressureGuard(target, horizon=2.0)
+    for at, others in ((0.0, 400), (0.5, 400), (0.8, 496)):  # +320 MiB/s: 384 MiB left
+        await guard.apply(sample(at, others, 400))
+    assert target.calls.count(("pause_loads", True)) == 1
+    await guard.apply(sample(0.855, 497, 400))  # flat for 55 ms: still soft (held)
+    await guard.apply(sample(1.5, 497, 400))  # flat since 0.8: still within the hold
+    assert ("pause_loads", False) not in target.calls
+    await guard.apply(sample(2.0, 497, 400))  # 1.2 s since the trend last said soft
+    assert target.calls[-1] == ("pause_loads", False)
+
+
+async def test_others_growth_counts_from_below_zero() -> None:
+    # In a cgroup our measured bytes can exceed what is charged to it (a model's page cache
+    # charged where the file was first read), so total - available - ours starts below 0.
+    # The e2e neighbour grew 110 MiB in 0.3 s there and the guard saw "others" stay at 0.
+    target = Target()
+    guard = PressureGuard(target, horizon=2.0)
+    for i, others in enumerate((-200, -200, -200, -80)):
+        await guard.apply(sample(i * 0.3, others, 400, total_mib=900))
+    assert ("pause_loads", True) in target.calls
 
 
 async def test_our_own_growth_is_not_a_trend_the_guard_answers() -> None:

@@ -721,6 +721,22 @@ def test_paused_loads_wait_then_fail_with_503() -> None:
     run(scenario())
 
 
+def test_a_paused_load_that_cannot_fit_is_507_at_once() -> None:
+    async def scenario() -> None:
+        # Without the guard this load is a 507 at once (nothing evictable makes room); the
+        # pause must not turn it into load_pause_wait seconds of waiting for the same answer.
+        h = harness(A, M4, pin=("a",), load_pause_wait=1000.0)
+        await request(h, "a")
+        h.sched.pause_loads(True)
+        start = h.clock.now
+        with pytest.raises(InsufficientMemory) as err:
+            await request(h, "m4")
+        assert h.clock.now - start < 2.0 and err.value.status == 507
+        assert h.loaded() == ["a"]
+
+    run(scenario())
+
+
 def test_a_paused_load_resumes_when_the_pause_ends_and_loaded_models_serve_meanwhile() -> None:
     async def scenario() -> None:
         h = harness(A, B, load_pause_wait=1000.0)
