@@ -10,7 +10,7 @@ import pytest
 
 from elbowroom.engines.llama import LlamaEngine
 from elbowroom.engines.llama_control import EngineControl
-from elbowroom.engines.requests import DirectClose
+from elbowroom.engines.requests import CloseTicket
 
 DEADLINE = 30.0
 
@@ -70,7 +70,7 @@ def test_a_direct_stream_its_client_left_is_busy_until_the_engine_lets_go() -> N
     (the scheduler's claim goes, so an unload can end a stuck engine)."""
     control = HeldLoop()
     engine = engine_with_tickets(control)
-    closed = engine.run("close", DirectClose(1, None), lambda _: None, lambda: False)
+    closed = engine.run("close", CloseTicket(1, None), lambda _: None, lambda: False)
     assert closed == {"closed": True}
     wait_until(lambda: control.asked == [0], "the engine's loop to be asked")
     assert busy(engine) == 2
@@ -82,7 +82,7 @@ def test_a_finished_stream_gives_its_slot_back_at_once() -> None:
     control = HeldLoop()
     engine = engine_with_tickets(control)
     timings = {"prompt_n": 3, "prompt_ms": 1.0}
-    assert engine.run("close", DirectClose(2, timings), lambda _: None, lambda: False) == {
+    assert engine.run("close", CloseTicket(2, timings), lambda _: None, lambda: False) == {
         "closed": True
     }
     assert control.asked == [] and busy(engine) == 1
