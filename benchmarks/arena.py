@@ -78,21 +78,22 @@ from synth_models import Shape  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 SYSTEMS = ("elbowroom", "router", "router-tuned")
+PHASES = ("work", "neighbour", "swap")
 BUNDLED = ("smollm2-135m", "gemma3-270m")
-# Held-out shapes of 300-900 MiB: big embedding and output matrices (memory) over few
-# layers (so that a 1,500-token prefill stays affordable on 2 shared cores).
+# Held-out shapes of 300-900 MiB: wide embedding and output matrices (memory) over two
+# layers, so that a 1,500-token prefill costs no more than SmolLM2's on 2 shared cores.
 SHAPES: tuple[Shape, ...] = (
-    Shape("arena-llama-480m-f16", "llama", 4, 1536, 12, 4, 128, 4096, "f16"),
-    Shape("arena-qwen2-380m-q8_0", "qwen2", 4, 2048, 16, 2, 128, 5632, "q8_0"),
+    Shape("arena-llama-470m-f16", "llama", 2, 2048, 16, 4, 128, 2048, "f16"),
+    Shape("arena-qwen2-400m-q8_0", "qwen2", 2, 3072, 24, 2, 128, 1536, "q8_0"),
 )
 THREADS = 2
 SLOTS = 4
 CTX = 2560  # per slot: the longest session (~1,500 tokens + 5 turns) fits with room
-P_SWITCH = 0.4
+P_SWITCH = 0.5
 P_DROP = 0.1
 P_CANCEL = 0.1
 SYSTEM_WORDS = 1050  # ~1,500 SmolLM2 tokens of common words, numbers and punctuation
-GRACE_S = 20.0  # after the window: requests still running are cut (the server is stopped)
+GRACE_S = 15.0  # after the window: requests still running are cut (the server is stopped)
 RETRIES = 2
 NEIGHBOUR_FRAC = 0.35  # of the container's limit
 NEIGHBOUR_RATE = 96  # MiB/s
@@ -189,6 +190,24 @@ def workload(
             mine.append(Session(c, s, agent, tuple(made)))
         out.append(mine)
     return out
+
+
+def swap_workload(seed: int, models: Sequence[str], turns: int) -> list[list[Session]]:
+    """The ``swap`` phase: one agent alternating between two models turn by turn (every
+    turn after the first is a switch), each stream read to its end: the cost of a swap
+    alone, with nothing else running."""
+    rng = random.Random(f"arena-swap-{seed}")
+    made = [
+        Turn(
+            models[t % 2],
+            f"Step {t + 1}: " + _text(rng, rng.randrange(20, 60)),
+            _text(rng, rng.randrange(10, 30)),
+            "read",
+            t > 0,
+        )
+        for t in range(turns)
+    ]
+    return [[Session(0, 0, 0, tuple(made))]]
 
 
 def messages(system: str, session: Session, upto: int) -> list[dict[str, str]]:
@@ -673,6 +692,18 @@ class Plan:
     weights: list[float]
 
 
+def evict_page_cache(paths: Iterable[Path]) -> None:
+    """Drop the model files' clean pages from the page cache (these files only), so that the
+    cell's own processes read them in and the cgroup is charged for them, as in a container
+    that starts cold; otherwise the pages stay charged to whoever read them first."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def kernel_log() -> str:
     try:
         return subprocess.run(["dmesg"], capture_output=True, text=True, timeout=10).stdout
@@ -686,6 +717,7 @@ def run_cell(
     name = f"arena-{os.getpid()}-{seed}-{size}-{phase}-{system}"
     home = Path(tempfile.mkdtemp(prefix=f"{system}-{size}-{phase}-", dir=work))
     limit = plan.sizes[size]
+    evict_page_cache(plan.files.values())
     cg = Cgroup(name, limit)
     load_before = os.getloadavg()[0]
     server: Proc | None = None
@@ -702,9 +734,12 @@ def run_cell(
             args = router_args(system == "router-tuned", plan.fits[size], plan.cache_ram_mib)
             server = start_router(plan.binary, plan.router_dir, home, cg, args)
         prompts = system_prompts(seed)
-        work_ = workload(
-            seed, list(plan.files), plan.clients, plan.sessions, plan.turns, plan.weights
-        )
+        if phase == "swap":
+            work_ = swap_workload(seed, [s.name for s in SHAPES], 8)
+        else:
+            work_ = workload(
+                seed, list(plan.files), plan.clients, plan.sessions, plan.turns, plan.weights
+            )
         t0 = time.monotonic()
         deadline = t0 + plan.cell_s
         clients = [
@@ -897,7 +932,7 @@ def aggregate(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _order(key: tuple[str, str, str]) -> tuple[int, int, int]:
     size, phase, system = key
-    return ("LMS".index(size), ["work", "neighbour"].index(phase), SYSTEMS.index(system))
+    return ("LMS".index(size), PHASES.index(phase), SYSTEMS.index(system))
 
 
 def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -1085,7 +1120,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--cell-seconds", type=float, default=60.0, help="each cell's window")
+    ap.add_argument("--cell-seconds", type=float, default=75.0, help="each cell's window")
     ap.add_argument("--timeout", type=float, default=120.0, help="per read, per request")
     ap.add_argument("--out", type=Path, default=RESULTS / "arena")
     ap.add_argument("--logs", type=Path, help="keep every server log here")
@@ -1130,7 +1165,7 @@ def main(argv: list[str] | None = None) -> int:
             max_tokens,
             cell_s,
             args.timeout,
-            [3, 2, 2, 2][: len(files)],
+            [1.0] * len(files),
         )
         log("warm-up: each LLM alone in elbowroom, for its footprint")
         fp, server_rss, grant = footprints(plan, work)
@@ -1159,7 +1194,7 @@ def main(argv: list[str] | None = None) -> int:
             c_r["prompt_tokens"]
             for c in results
             for c_r in c["records"]
-            if c_r["turn"] == 0 and c_r["prompt_tokens"] and c_r["model"] == "smollm2-135m"
+            if c_r["turn"] == 0 and c_r["prompt_tokens"] and c_r["model"] != "gemma3-270m"
         ]
         rows = aggregate(results)
         loads = [c["load_before"] for c in results]

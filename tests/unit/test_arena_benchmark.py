@@ -13,6 +13,7 @@ from arena import (
     percentile,
     spread,
     summarize,
+    swap_workload,
     system_prompts,
     workload,
 )
@@ -40,7 +41,15 @@ def test_workload_mixes_switches_drops_and_cancels() -> None:
     turns = [t for c in workload(3, MODELS, 8, 4, 6) for s in c for t in s.turns]
     kinds = {t.behaviour for t in turns}
     assert kinds == {"read", "drop", "cancel"}
-    assert 0.2 < sum(t.switch for t in turns) / len(turns) < 0.5
+    assert 0.2 < sum(t.switch for t in turns) / len(turns) < 0.6
+
+
+def test_the_swap_phase_alternates_two_models_and_reads_every_stream() -> None:
+    [[s]] = swap_workload(1, ["a", "b"], 6)
+    assert swap_workload(1, ["a", "b"], 6) == [[s]] != swap_workload(2, ["a", "b"], 6)
+    assert [t.model for t in s.turns] == ["a", "b"] * 3
+    assert [t.switch for t in s.turns] == [False] + [True] * 5
+    assert {t.behaviour for t in s.turns} == {"read"}
 
 
 def test_a_session_grows_turn_by_turn_on_one_system_prompt() -> None:
