@@ -93,6 +93,7 @@ P_SWITCH = 0.5
 P_DROP = 0.1
 P_CANCEL = 0.1
 SYSTEM_WORDS = 1050  # ~1,500 SmolLM2 tokens of common words, numbers and punctuation
+MIN_SERVED = 5  # a comparison of speed or served counts needs this many served requests
 GRACE_S = 15.0  # after the window: requests still running are cut (the server is stopped)
 RETRIES = 2
 NEIGHBOUR_FRAC = 0.35  # of the container's limit
@@ -897,9 +898,11 @@ def container_sizes(fp: dict[str, int], server: int) -> tuple[dict[str, int], di
 # ---- the report -------------------------------------------------------------------------------
 
 METRICS = (
+    "requests",
     "served",
     "refused",
     "failed",
+    "cut",
     "attempt_5xx",
     "oom_kills",
     "ttft_p50",
@@ -965,25 +968,25 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         "met": mine <= theirs / 3,
                     }
                 )
+            few = max(r["served"]["median"] or 0, p["served"]["median"] or 0) < MIN_SERVED
             if r["size"] == "L" and r["phase"] == "work":
                 a, b = r["tok_s"]["median"], p["tok_s"]["median"]
-                if a and b:
-                    out.append(
-                        {
-                            "target": f"tok/s >= 0.9x {peer}'s where everything fits",
-                            "cell": cell,
-                            "value": f"{a:.1f} vs {b:.1f} ({a / b:.2f}x)",
-                            "met": a >= 0.9 * b,
-                        }
-                    )
-            if r["size"] in ("M", "S"):
+                out.append(
+                    {
+                        "target": f"tok/s >= 0.9x {peer}'s where everything fits",
+                        "cell": cell,
+                        "value": f"{a:.1f} vs {b:.1f}" + (f" ({a / b:.2f}x)" if b else ""),
+                        "met": None if few else a >= 0.9 * b,
+                    }
+                )
+            if r["size"] in ("M", "S") and r["phase"] != "swap":
                 a, b = r["served"]["median"], p["served"]["median"]
                 out.append(
                     {
                         "target": f"served >= {peer}'s in a tight container",
                         "cell": cell,
                         "value": f"{a:g} vs {b:g}",
-                        "met": a is not None and b is not None and a >= b,
+                        "met": None if few else a >= b,
                     }
                 )
     return out
@@ -996,6 +999,12 @@ def _fmt(s: dict[str, Any], scale: float = 1.0, digits: int = 2) -> str:
     if lo == hi:
         return f"{med:.{digits}f}"
     return f"{med:.{digits}f} ({lo:.{digits}f}–{hi:.{digits}f})"
+
+
+def _verdict(met: bool | None) -> str:
+    if met is None:
+        return f"inconclusive (fewer than {MIN_SERVED} served)"
+    return "yes" if met else "**no**"
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -1018,28 +1027,31 @@ def markdown(result: dict[str, Any]) -> str:
         f"{meta['turns']} turns, max_tokens {meta['max_tokens']}, a ~{meta['system_tokens']}-token "
         f"system prompt, seeds {meta['seeds']}.",
         "",
-        "Medians over seeds with (min–max). served / refused / failed count requests "
-        "(after the client's retries); 5xx tries counts every 5xx answer, retried or not. "
-        "Kills: the cgroup's OOM-kill counter summed over seeds. First token in seconds.",
+        "Medians over seeds with (min–max). served / refused / failed / cut count requests "
+        "(after the client's retries; cut: still running 15 s after the window closed, when "
+        "the server was stopped — not a failure); 5xx tries counts every 5xx answer, retried "
+        "or not. Kills: the cgroup's OOM-kill counter summed over seeds. First token in "
+        "seconds; load: the 1-minute load average before the cell.",
         "",
-        "| container | phase | system | served | refused | failed | 5xx tries | OOM kills "
-        "| first token p50 | p95 | after a switch p50 | p95 | tok/s | peak MiB | wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| container | phase | system | served | refused | failed | cut | 5xx tries | OOM kills "
+        "| first token p50 | p95 | after a switch p50 | p95 | tok/s | peak MiB | wall s | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['size']} | {r['phase']} | {r['system']} | {_fmt(r['served'], digits=0)} "
             f"| {_fmt(r['refused'], digits=0)} | {_fmt(r['failed'], digits=0)} "
+            f"| {_fmt(r['cut'], digits=0)} "
             f"| {_fmt(r['attempt_5xx'], digits=0)} | {r['oom_kills_total']} "
             f"| {_fmt(r['ttft_p50'])} | {_fmt(r['ttft_p95'])} | {_fmt(r['switch_ttft_p50'])} "
             f"| {_fmt(r['switch_ttft_p95'])} | {_fmt(r['tok_s'], digits=1)} "
-            f"| {_fmt(r['peak_bytes'], 1 << 20, 0)} | {_fmt(r['wall_s'], digits=0)} |"
+            f"| {_fmt(r['peak_bytes'], 1 << 20, 0)} | {_fmt(r['wall_s'], digits=0)} "
+            f"| {_fmt(r['load_before'], digits=1)} |"
         )
     lines += ["", "## Targets", "", "| target | cell | value | met |", "|---|---|---|---|"]
     for t in result["targets"]:
         lines.append(
-            f"| {t['target']} | {'/'.join(t['cell'])} | {t['value']} "
-            f"| {'yes' if t['met'] else '**no**'} |"
+            f"| {t['target']} | {'/'.join(t['cell'])} | {t['value']} | {_verdict(t['met'])} |"
         )
     lines += ["", "## OOM victims (the kernel's log)", ""]
     any_victim = False
@@ -1111,6 +1123,32 @@ def plot(result: dict[str, Any], path: Path) -> None:
 # ---- main -------------------------------------------------------------------------------------
 
 
+def write_report(result: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
+    out.with_suffix(".md").write_text(markdown(result))
+    plot(result, out.with_suffix(".png"))
+
+
+def report_only(paths: list[Path], out: Path, as_json: bool) -> int:
+    """The report of one or more recorded runs (their cells merged; the first run's meta,
+    with each run's commands, seeds and load averages)."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    cells = [c for r in runs for c in r["cells"]]
+    meta = dict(runs[0]["meta"])
+    meta["command"] = "`; `".join(r["meta"]["command"] for r in runs)
+    meta["load_min"] = min(r["meta"]["load_min"] for r in runs)
+    meta["load_max"] = max(r["meta"]["load_max"] for r in runs)
+    meta["total_wall_s"] = sum(r["meta"]["total_wall_s"] for r in runs)
+    meta["notes"] = [n for r in runs for n in r["meta"].get("notes", [])]
+    meta["seeds"] = sorted({c["seed"] for c in cells})
+    rows = aggregate(cells)
+    result = {"meta": meta, "rows": rows, "targets": targets(rows), "cells": cells}
+    write_report(result, out)
+    print(json.dumps(rows, indent=1, default=str) if as_json else markdown(result))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="1 seed, shorter sessions (< 10 min)")
@@ -1125,7 +1163,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS / "arena")
     ap.add_argument("--logs", type=Path, help="keep every server log here")
     ap.add_argument("--json", action="store_true", help="print the summary rows as JSON")
+    ap.add_argument(
+        "--from-json",
+        help="only write the report from recorded runs (comma-separated JSON files, merged)",
+    )
     args = ap.parse_args(argv)
+    if args.from_json:
+        return report_only([Path(p) for p in args.from_json.split(",")], args.out, args.json)
     if not v1_available():
         log(f"needs root and cgroup v1 memory at {CGROUP_V1} (the v2 path is not written yet)")
         return 2
@@ -1223,10 +1267,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         result = {"meta": meta, "rows": rows, "targets": targets(rows), "cells": results}
         out: Path = args.out
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
-        out.with_suffix(".md").write_text(markdown(result))
-        plot(result, out.with_suffix(".png"))
+        write_report(result, out)
         log(f"wrote {out}.{{json,md,png}} in {meta['total_wall_s']:.0f} s")
         if args.json:
             print(json.dumps(rows, indent=1, default=str))

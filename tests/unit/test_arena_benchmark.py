@@ -15,6 +15,7 @@ from arena import (
     summarize,
     swap_workload,
     system_prompts,
+    targets,
     workload,
 )
 
@@ -118,3 +119,30 @@ def test_the_cgroups_oom_counter_and_the_kernels_victims() -> None:
         {"pid": 4242, "comm": "llama-server", "anon_mib": 200}
     ]
     assert oom_victims(dmesg, "/arena-9-1-S-work-elbowroom") == []
+
+
+def _row(system: str, size: str, served: float, switch: float | None) -> dict[str, object]:
+    return {
+        "size": size,
+        "phase": "work",
+        "system": system,
+        "served": spread([served]),
+        "tok_s": spread([served / 10]),
+        "switch_ttft_p50": spread([switch]),
+        "oom_kills_total": 0,
+        "failed_total": 0,
+    }
+
+
+def test_targets_compare_only_cells_with_enough_served() -> None:
+    rows = [
+        _row("elbowroom", "S", 6, 2.0),
+        _row("router", "S", 8, 9.0),
+        _row("elbowroom", "M", 2, None),
+        _row("router", "M", 1, None),
+    ]
+    got = {(t["target"], t["cell"]): t["met"] for t in targets(rows)}
+    assert got[("served >= router's in a tight container", ("S", "work"))] is False
+    assert got[("first token after a switch <= 1/3 of router's", ("S", "work"))] is True
+    assert got[("served >= router's in a tight container", ("M", "work"))] is None
+    assert got[("0 OOM kills, 0 unexplained 5xx", ("M", "work"))] is True
