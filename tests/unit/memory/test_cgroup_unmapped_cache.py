@@ -1,0 +1,56 @@
+"""An unloaded model's weights in a cgroup (found by issue 24's arena, benchmarks/arena.py).
+
+Measured in a real cgroup v1 here: a process maps a 461 MiB GGUF and reads it; while it
+maps it, 428 MiB sit on the inactive file list. When it exits (an unload), unmapping moves
+the recently read pages to the *active* list: ``total_active_file`` 33 → 357 MiB,
+``total_inactive_file`` 428 → 104 MiB, ``total_mapped_file`` 461 → 0, usage unchanged.
+The cgroup headroom ``limit − (usage − inactive_file)`` (memory/cgroup.py) therefore drops
+by 324 MiB *because a model was unloaded*, although those pages are clean, mapped by no
+one and reclaimed by the kernel before it OOM-kills. In the arena's swap phase (one LLM
+fits, an agent alternates two) this made every swap wait the scheduler's whole
+``unload_settle_timeout`` (10 s: "freed memory did not show up within 10.0 s"), the guard
+pause loads ("memory held by other processes grows 623 MiB/s") and the prompt-cache grants
+shrink (512 → 39 MiB). The fix (counting clean unmapped file pages as reclaimable:
+``max(inactive_file, active_file + inactive_file − mapped_file − dirty − writeback)``)
+changes what every memory reading reports in a cgroup, so it is left to the memory/guard
+owners; this test fails until then."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from elbowroom.memory.cgroup import read_cgroup
+
+MiB = 1 << 20
+
+
+def _cgroup(root: Path, stat: str) -> Path:
+    leaf = root / "memory" / "arena"
+    leaf.mkdir(parents=True)
+    (leaf / "memory.limit_in_bytes").write_text(str(1024 * MiB))
+    (leaf / "memory.usage_in_bytes").write_text(str(461 * MiB))
+    (leaf / "memory.stat").write_text(stat)
+    return root
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 24: cgroup headroom counts an unloaded model's unmapped, clean page cache "
+    "as used once unmapping activates it (memory/cgroup.py _walk uses inactive_file only)",
+)
+def test_unloading_a_mapped_model_never_lowers_the_cgroup_headroom(tmp_path: Path) -> None:
+    mapped = (
+        f"total_active_file {33 * MiB}\ntotal_inactive_file {428 * MiB}\n"
+        f"total_mapped_file {461 * MiB}\ntotal_cache {461 * MiB}\n"
+    )
+    exited = (
+        f"total_active_file {357 * MiB}\ntotal_inactive_file {104 * MiB}\n"
+        f"total_mapped_file 0\ntotal_cache {461 * MiB}\ntotal_dirty 0\ntotal_writeback 0\n"
+    )
+    before = read_cgroup("5:memory:/arena\n", _cgroup(tmp_path / "a", mapped))
+    after = read_cgroup("5:memory:/arena\n", _cgroup(tmp_path / "b", exited))
+    assert before is not None and after is not None
+    assert before.headroom == (1024 - 461 + 428) * MiB  # what is read today while mapped
+    assert after.headroom is not None and after.headroom >= before.headroom
