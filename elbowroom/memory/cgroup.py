@@ -101,13 +101,47 @@ def _locate(mount: Path, cg_path: str) -> Path | None:
 
 
 _FILES = {
-    1: ("memory.limit_in_bytes", "memory.usage_in_bytes", ("total_inactive_file", "inactive_file")),
-    2: ("memory.max", "memory.current", ("inactive_file",)),
+    1: ("memory.limit_in_bytes", "memory.usage_in_bytes"),
+    2: ("memory.max", "memory.current"),
+}
+
+# memory.stat keys per version: (inactive file, active file, mapped file, dirty, writeback).
+_STAT_KEYS: dict[int, tuple[tuple[str, ...], ...]] = {
+    1: (
+        ("total_inactive_file", "inactive_file"),
+        ("total_active_file", "active_file"),
+        ("total_mapped_file", "mapped_file"),
+        ("total_dirty", "dirty"),
+        ("total_writeback", "writeback"),
+    ),
+    2: (
+        ("inactive_file",),
+        ("active_file",),
+        ("file_mapped",),
+        ("file_dirty",),
+        ("file_writeback",),
+    ),
 }
 
 
+def reclaimable(version: int, stat: str | None) -> int:
+    """Page cache the kernel reclaims before this cgroup OOMs: the inactive file list, or
+    every file page that is clean and mapped by no process, whichever is more.
+
+    Inactive alone undercounts: when a process that mapped a model exits (an unload), the
+    kernel moves the pages it had read to the *active* list — measured here, 324 MiB of a
+    461 MiB GGUF — so ``limit − (usage − inactive)`` *fell* by that much because a model
+    was unloaded (issue 24's arena: every swap waited the whole settle timeout). Clean,
+    unmapped file pages are dropped before any OOM kill whichever list holds them; mapped
+    pages (the loaded models' weights) and dirty or in-flight ones are not counted."""
+    inactive, active, mapped, dirty, writeback = (
+        _stat_value(stat, *keys) for keys in _STAT_KEYS[version]
+    )
+    return max(inactive, active + inactive - mapped - dirty - writeback, 0)
+
+
 def _walk(version: int, mount: Path, leaf: Path) -> CgroupReading | None:
-    limit_file, usage_file, inactive_keys = _FILES[version]
+    limit_file, usage_file = _FILES[version]
     tightest: CgroupReading | None = None  # the level with the smallest limit
     headroom: int | None = None  # the least headroom of any limited level
     leaf_usage: int | None = None
@@ -124,8 +158,8 @@ def _walk(version: int, mount: Path, leaf: Path) -> CgroupReading | None:
             if high is not None and (limit is None or high < limit):
                 limit = high
         if limit is not None:
-            inactive = _stat_value(read_text(level / "memory.stat"), *inactive_keys)
-            room = max(0, limit - max(0, (usage or 0) - inactive))
+            spare = reclaimable(version, read_text(level / "memory.stat"))
+            room = max(0, limit - max(0, (usage or 0) - spare))
             headroom = room if headroom is None else min(headroom, room)
             if tightest is None or tightest.limit is None or limit < tightest.limit:
                 pressure = level / "memory.pressure" if version == 2 else None

@@ -8,11 +8,12 @@ Effective numbers (docs/memory.md explains them):
 
 * ``total`` = min(host total, cgroup limit, ELBOWROOM_OVERRIDE_MEMORY).
 * ``available`` = min(host MemAvailable, cgroup headroom, override − ours), where a
-  cgroup's headroom is ``limit − (usage − inactive_file)`` (inactive page cache is
-  reclaimed before the cgroup OOMs). The override acts like a memory cgroup of that size
-  around elbowroom's own process tree: "ours" is the bytes resident in this process and
-  its descendants (the runners), so the cap is deterministic whatever else the machine
-  runs, while real shortage elsewhere still shows through MemAvailable.
+  cgroup's headroom is ``limit − (usage − reclaimable)``, reclaimable being the larger of
+  the inactive file list and every clean file page no process maps (page cache the
+  kernel drops before the cgroup OOMs; ``cgroup.reclaimable``). The override acts like a
+  memory cgroup of that size around elbowroom's own process tree: "ours" is the bytes
+  resident in this process and its descendants (the runners), so the cap is deterministic
+  whatever else the machine runs, while real shortage elsewhere still shows through MemAvailable.
 """
 
 from __future__ import annotations

@@ -12,16 +12,13 @@ fits, an agent alternates two) this made every swap wait the scheduler's whole
 pause loads ("memory held by other processes grows 623 MiB/s") and the prompt-cache grants
 shrink (512 → 39 MiB). The fix (counting clean unmapped file pages as reclaimable:
 ``max(inactive_file, active_file + inactive_file − mapped_file − dirty − writeback)``)
-changes what every memory reading reports in a cgroup, so it is left to the memory/guard
-owners; this test fails until then."""
+is ``memory/cgroup.py``'s ``reclaimable``."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
-from elbowroom.memory.cgroup import read_cgroup
+from elbowroom.memory.cgroup import read_cgroup, reclaimable
 
 MiB = 1 << 20
 
@@ -35,11 +32,6 @@ def _cgroup(root: Path, stat: str) -> Path:
     return root
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 24: cgroup headroom counts an unloaded model's unmapped, clean page cache "
-    "as used once unmapping activates it (memory/cgroup.py _walk uses inactive_file only)",
-)
 def test_unloading_a_mapped_model_never_lowers_the_cgroup_headroom(tmp_path: Path) -> None:
     mapped = (
         f"total_active_file {33 * MiB}\ntotal_inactive_file {428 * MiB}\n"
@@ -52,5 +44,26 @@ def test_unloading_a_mapped_model_never_lowers_the_cgroup_headroom(tmp_path: Pat
     before = read_cgroup("5:memory:/arena\n", _cgroup(tmp_path / "a", mapped))
     after = read_cgroup("5:memory:/arena\n", _cgroup(tmp_path / "b", exited))
     assert before is not None and after is not None
-    assert before.headroom == (1024 - 461 + 428) * MiB  # what is read today while mapped
+    assert before.headroom == (1024 - 461 + 428) * MiB  # mapped pages are not reclaimable
     assert after.headroom is not None and after.headroom >= before.headroom
+
+
+def test_dirty_and_mapped_pages_are_not_reclaimable(tmp_path: Path) -> None:
+    """Only clean, unmapped file pages count beyond the inactive list: a page being written
+    back or mapped by a loaded model is not dropped before an OOM kill."""
+    stat = (
+        f"total_active_file {300 * MiB}\ntotal_inactive_file {100 * MiB}\n"
+        f"total_mapped_file {150 * MiB}\ntotal_dirty {40 * MiB}\ntotal_writeback {10 * MiB}\n"
+    )
+    reading = read_cgroup("5:memory:/arena\n", _cgroup(tmp_path, stat))
+    assert reading is not None
+    assert reading.headroom == (1024 - 461 + (400 - 150 - 40 - 10)) * MiB
+
+
+def test_v2_reads_its_own_stat_names() -> None:
+    stat = (
+        f"active_file {200 * MiB}\ninactive_file {50 * MiB}\nfile_mapped {100 * MiB}\n"
+        f"file_dirty {MiB}\nfile_writeback 0\n"
+    )
+    assert reclaimable(2, stat) == 149 * MiB
+    assert reclaimable(2, f"inactive_file {50 * MiB}\nfile_mapped {900 * MiB}\n") == 50 * MiB

@@ -59,8 +59,10 @@ def test_v1_limited_walks_up_and_takes_the_container_limit() -> None:
     assert snap.cgroup_limit == 2 * GiB
     assert snap.cgroup_usage == 1288490188
     assert snap.total == 2 * GiB
-    # headroom = limit − (usage − total_inactive_file): inactive cache is reclaimable
-    assert snap.available == 2 * GiB - (1288490188 - 268435456)
+    # headroom = limit − (usage − reclaimable): reclaimable is every clean file page no
+    # process maps (active 256 MiB + inactive 256 MiB − mapped 67584000 − dirty 135168),
+    # more than the inactive list alone (memory/cgroup.py reclaimable)
+    assert snap.available == 2 * GiB - (1288490188 - (2 * 268435456 - 67584000 - 135168))
     assert snap.used == snap.total - snap.available
     assert (snap.host_total, snap.host_available) == (HOST16_TOTAL, HOST16_AVAILABLE)
     assert (snap.swap_total, snap.swap_used) == (2 * GiB, 512 * MiB)
@@ -99,8 +101,9 @@ def test_v2_nested_takes_smallest_limit_and_least_headroom() -> None:
     assert snap.cgroup_limit == 3 * GiB
     assert snap.total == 3 * GiB
     assert snap.cgroup_usage == 1 * GiB
-    # ...but the parent, filled by siblings to 3.5 GiB, leaves only 512 MiB
-    assert snap.available == 512 * MiB
+    # ...but the parent, filled by siblings to 3.5 GiB, leaves only 512 MiB plus its clean
+    # unmapped page cache (512 MiB active file − 48 MiB mapped), less than the leaf's room
+    assert snap.available == 512 * MiB + (512 - 48) * MiB
 
 
 def test_v2_unlimited_max_means_no_limit_and_host_psi() -> None:
@@ -115,7 +118,8 @@ def test_v2_unlimited_max_means_no_limit_and_host_psi() -> None:
 def test_v2_container_namespace_root() -> None:
     snap = probe("v2_container")
     assert (snap.cgroup_version, snap.cgroup_limit) == (2, 1 * GiB)
-    assert snap.available == 1 * GiB - (300 * MiB - 50 * MiB)
+    # reclaimable: 100 MiB of file pages − 48 MiB mapped (more than 50 MiB inactive)
+    assert snap.available == 1 * GiB - (300 * MiB - (100 * MiB - 48 * MiB))
 
 
 def test_old_kernel_without_memavailable_psi_or_cgroup() -> None:
@@ -152,7 +156,7 @@ def test_override_never_raises_what_is_really_available() -> None:
     # larger than the cgroup limit: the cgroup still wins
     snap = probe("v1_limited", override=8 * GiB)
     assert snap.total == 2 * GiB
-    assert snap.available == 2 * GiB - (1288490188 - 268435456)
+    assert snap.available == 2 * GiB - (1288490188 - (2 * 268435456 - 67584000 - 135168))
     # tighter than the cgroup: the override wins
     snap = probe("v1_limited", override=1 * GiB, override_used=lambda: 100 * MiB)
     assert (snap.total, snap.available) == (1 * GiB, 1 * GiB - 100 * MiB)
