@@ -231,7 +231,7 @@ def memory_limit(snap: Snapshot, own_usage: int, cfg: BudgetConfig) -> Limit:
             )
         ]
         # Inside a cgroup, available is exact accounting against a hard wall (limit − usage
-        # + inactive page cache), and everything else in the container (our server,
+        # + reclaimable page cache), and everything else in the container (our server,
         # neighbours) is already subtracted: the thresholds keep their share of it free
         # (hard at 95 % leaves 5 %), so no host-sized safety margin is taken off again; it
         # would be most of a small container.
