@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -84,7 +85,12 @@ def test_a_long_prefill_reports_each_batch_so_a_reader_can_leave_before_the_firs
     assert "prompt_progress" in event and event["choices"][0]["text"] == ""  # no token yet
     progress = event["prompt_progress"]
     assert progress["processed"] < progress["total"]  # the first batch of several
-    assert engine.stats()["slots_busy"] == 0
+    # The slot is busy until the engine's loop lets go of the task (issue 28), then goes
+    # back by itself: the engine left the prefill once it saw its reader closed.
+    deadline = time.monotonic() + 120
+    while engine.stats()["slots_busy"] != 0:
+        assert time.monotonic() < deadline, "the abandoned prefill's slot never went back"
+        time.sleep(0.02)
     # Hard pressure refuses a new generation before it starts (the engine's own check).
     level.calls, level.after = 0, 0
     with pytest.raises(MemoryPressure) as info:
