@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 from ray_cluster import local_cluster, wait_for
+from text_items import text_items
 
 from elbowroom.config import Settings
 from elbowroom.engines.requests import TextRequest
@@ -65,10 +66,7 @@ def settings_for(c: Any) -> Settings:
 
 async def complete(router: Any, max_tokens: int = 4) -> list[dict[str, Any]]:
     async with router.use(SMOLLM2) as runner:
-        return [
-            item
-            async for item in runner.request("completion", replace(COUNTING, max_tokens=max_tokens))
-        ]
+        return [item async for item in text_items(runner, replace(COUNTING, max_tokens=max_tokens))]
 
 
 def node_of(c: Any, name: str) -> Any:
@@ -169,7 +167,7 @@ def test_a_client_that_leaves_mid_stream_frees_the_remote_slot(cluster: Any) -> 
         router = await cs.build()
         try:
             async with router.use(SMOLLM2) as runner:
-                stream = runner.request("completion", replace(COUNTING, max_tokens=2000))
+                stream = text_items(runner, replace(COUNTING, max_tokens=2000))
                 first = await stream.__anext__()
                 assert first.get("type") != "done"
                 stats = await runner.stats()
@@ -375,7 +373,7 @@ def test_node_killed_mid_stream_fails_fast_then_model_is_replaced_and_a_new_node
             with pytest.raises(RunnerCrashed) as err:
                 async with router.use(SMOLLM2) as runner:
                     payload = replace(COUNTING, max_tokens=400)
-                    async for item in runner.request("completion", payload):
+                    async for item in text_items(runner, payload):
                         got.append(item)
                         if len(got) == 1:  # mid-stream: kill the node (raylet and workers)
                             killed_at = time.monotonic()

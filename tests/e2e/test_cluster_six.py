@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from ray_cluster import local_cluster
+from text_items import text_items
 
 from elbowroom.config import Settings
 from elbowroom.engines.requests import EmbedRequest, TextRequest
@@ -69,7 +70,7 @@ def test_six_models_on_three_unequal_nodes_none_overcommitted(cluster: Any) -> N
             # Every model answers from its node (one small request each).
             async with router.use("smollm2-135m") as runner:
                 hi = TextRequest(kind="completion", prompt="Hi", max_tokens=2)
-                items = [i async for i in runner.request("completion", hi)]
+                items = [i async for i in text_items(runner, hi)]
             assert items[-1]["type"] == "done"
             async with router.use("minilm-l6-v2") as runner:
                 items = [

@@ -29,7 +29,9 @@ from typing import Any
 
 import pytest
 from bundled_models import bundled_spec
+from engine_text import engine_answer
 from ray_cluster import alive, local_cluster, wait_for
+from text_items import text_items
 
 from elbowroom.cluster.split import split_layers
 from elbowroom.config import Settings
@@ -73,12 +75,7 @@ def unsplit_text(max_tokens: int) -> str:
     engine = RpcLlamaEngine()
     engine.load(bundled_spec(SMOLLM2), RpcLlamaOptions(n_ctx=512, slots=1, kv_cache=False))
     try:
-        result = engine.run(
-            "completion",
-            dataclasses.replace(PROMPT, max_tokens=max_tokens),
-            lambda _d: None,
-            lambda: False,
-        )
+        result = engine_answer(engine, dataclasses.replace(PROMPT, max_tokens=max_tokens))
     finally:
         engine.close()
     return str(result["text"])
@@ -104,7 +101,7 @@ async def cluster_router(c: Any) -> tuple[Any, Any, Any]:
 async def complete(router: Any, body: TextRequest, max_tokens: int) -> list[dict[str, Any]]:
     request = dataclasses.replace(body, max_tokens=max_tokens)
     async with router.use(SMOLLM2) as runner:
-        return [i async for i in runner.request("completion", request)]
+        return [i async for i in text_items(runner, request)]
 
 
 def test_split_shares_are_node_residents_and_hard_pressure_on_one_node_stops_the_split(
@@ -187,7 +184,7 @@ def test_split_shares_are_node_residents_and_hard_pressure_on_one_node_stops_the
             got: list[dict[str, Any]] = []
             with pytest.raises(MemoryPressure) as err:
                 async with router.use(SMOLLM2) as runner:
-                    async for item in runner.request("completion", COUNTING):
+                    async for item in text_items(runner, COUNTING):
                         got.append(item)
                         if len(got) == 1:
                             actions = await b.guard.apply(hard)
@@ -233,7 +230,7 @@ def test_a_split_fails_fast_and_splits_again_when_a_part_dies(cluster: Any) -> N
             got = []
             with pytest.raises(RunnerCrashed):
                 async with router.use(SMOLLM2) as runner:
-                    async for item in runner.request("completion", COUNTING):
+                    async for item in text_items(runner, COUNTING):
                         got.append(item)
                         if len(got) == 1:
                             killed_at = time.monotonic()

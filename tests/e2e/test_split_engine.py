@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 from bundled_models import bundled_spec
+from engine_text import engine_answer
 
 from elbowroom.cluster.rpc import rpc_server_args
 from elbowroom.cluster.split import split_layers
@@ -90,9 +91,7 @@ def rpc_servers() -> Iterator[list[str]]:
 
 def generate(engine: Any, max_tokens: int) -> tuple[str, float]:
     began = time.monotonic()
-    result = engine.run(
-        "completion", replace(PROMPT, max_tokens=max_tokens), lambda _d: None, lambda: False
-    )
+    result = engine_answer(engine, replace(PROMPT, max_tokens=max_tokens))
     return result["text"], time.monotonic() - began
 
 
