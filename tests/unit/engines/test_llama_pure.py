@@ -117,6 +117,30 @@ def test_emulated_auto_allows_a_plain_answer_and_none_drops_the_tools() -> None:
     assert not p.emulated and "response_format" not in p.body and "tools" not in p.body
 
 
+def test_nested_models_in_tool_parameters_are_inlined_for_both_paths() -> None:
+    """instructor's default mode sends a pydantic model with a nested one as a tool whose
+    parameters carry ``$defs``; nested inside the call object, ``#/$defs/City`` resolved
+    nowhere and llama.cpp refused the request (a 400 for every nested model)."""
+    city = {"type": "object", "properties": {"name": {"type": "string"}}}
+    params = {
+        "$defs": {"City": city},
+        "type": "object",
+        "properties": {"cities": {"type": "array", "items": {"$ref": "#/$defs/City"}}},
+    }
+    tool = {"type": "function", "function": {"name": "Country", "parameters": params}}
+    want = {"type": "object", "properties": {"cities": {"type": "array", "items": city}}}
+    native = plan({"messages": _messages(), "tools": [tool]}, native=True)
+    assert native.body["tools"][0]["function"]["parameters"] == want
+    emulated = plan({"messages": _messages(), "tools": [tool], "tool_choice": "required"}, False)
+    schema = emulated.body["response_format"]["json_schema"]["schema"]
+    assert schema["properties"]["arguments"] == want
+    # A recursive model cannot be inlined: it is sent as it came.
+    node = {"type": "object", "properties": {"kids": {"items": {"$ref": "#/$defs/Node"}}}}
+    recursive = {**params, "$defs": {"Node": node}, "properties": {"n": {"$ref": "#/$defs/Node"}}}
+    rtool = {"type": "function", "function": {"name": "Tree", "parameters": recursive}}
+    assert plan({"messages": _messages(), "tools": [rtool]}, True).body["tools"] == [rtool]
+
+
 def test_a_named_choice_missing_from_tools_is_a_bad_request() -> None:
     choice = {"type": "function", "function": {"name": "nope"}}
     with pytest.raises(BadRequest):
