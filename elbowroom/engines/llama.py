@@ -20,6 +20,7 @@ import os
 import re
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from elbowroom.config import KV_TYPES
@@ -92,6 +93,10 @@ class LlamaEngine:
         self._tickets: dict[int, tuple[int, bool]] = {}
         self._next_ticket = 0
         self._direct = 0  # requests served as direct streams
+        # Preempt and resume (server/resume.py): ticket -> slot of the direct streams that
+        # may be preempted, the tickets preempted, and how the runner tells the server.
+        self._resumable: dict[int, int] = {}
+        self.notify: Callable[[dict[str, Any]], None] | None = None  # set by the worker
         self.max_concurrent = 1
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -114,6 +119,8 @@ class LlamaEngine:
         version = str(getattr(xllamacpp, "__version__", "?"))
         key = CacheKey(spec.identity, self._n_ctx, kv_type, engine=f"xllamacpp {version}")
         slots = self._slot_pool = Slots.create(control, self._slots, key, opts)
+        if opts.preempt:
+            slots.preempt = self._preempt
         # Reported cached_tokens are rounded down to whole cache blocks: exact counts would
         # let one client probe, token by token, what another client's prompt began with.
         self._block = slots.block_tokens
@@ -331,11 +338,16 @@ class LlamaEngine:
         if not request.stream:
             body["stream"] = False
             body.pop("stream_options", None)
-        slot, isolated = self._take_slot(body, request.isolated, chat)
+        slot, isolated = self._take_slot(body, request.isolated, chat, bool(request.resumed))
+        if request.resumed:  # the preempted slot's state, saved at its close
+            assert self._slot_pool is not None
+            self._slot_pool.restore_state(slot, f"preempted-{request.resumed}.bin")
         with self._lock:
             ticket = self._next_ticket = self._next_ticket + 1
             self._tickets[ticket] = (slot, isolated)
             self._direct += 1
+            if resumable(request):
+                self._resumable[ticket] = slot
         return {
             "direct": True,
             "ticket": ticket,
@@ -350,23 +362,61 @@ class LlamaEngine:
         """A direct stream ended (any way): give its slot back."""
         with self._lock:
             entry = self._tickets.pop(closing.ticket, None)
+            self._resumable.pop(closing.ticket, None)
         if entry is None:
             return {"closed": False}
+        if closing.resume:  # its continuation restores this (server/resume.py)
+            assert self._slot_pool is not None
+            self._slot_pool.save_state(entry[0], f"preempted-{closing.ticket}.bin")
         self._give_slot(*entry)
         if closing.timings is not None:
             self._give_timings(closing.timings)
         return {"closed": True}
 
+    def _preempt(self, slot: int) -> bool:
+        """End the generation on ``slot`` for a request that needs its prefix (Slots.acquire
+        calls this): when a resumable direct stream holds it and is past its prefill, the
+        server is told to close it and resume it elsewhere (server/resume.py). False: the
+        slot is not preemptible; the request waits for it or recomputes."""
+        notify = self.notify
+        with self._lock:
+            ticket = next((t for t, s in self._resumable.items() if s == slot), None)
+        if ticket is None or notify is None or not self._generating(slot):
+            return False
+        with self._lock:
+            if self._resumable.pop(ticket, None) is None:
+                return False  # closed meanwhile
+        notify({"preempt": ticket})
+        return True
+
+    def _generating(self, slot: int) -> bool:
+        """Whether the engine's ``slot`` has decoded a token (past its prefill)."""
+        assert self._control is not None
+        try:
+            slots = self._control.request("GET", "/slots", None)
+        except (OSError, RuntimeError, ValueError) as exc:
+            log.debug("cannot read the engine's slots: %s", exc)
+            return False
+        for entry in slots if isinstance(slots, list) else ():
+            if isinstance(entry, dict) and entry.get("id") == slot:
+                tokens = entry.get("next_token")
+                first = tokens[0] if isinstance(tokens, list) and tokens else tokens
+                decoded = first.get("n_decoded", 0) if isinstance(first, dict) else 0
+                return bool(entry.get("is_processing")) and int(decoded) > 0
+        return False
+
     # ---- slots (one lifecycle for piped and direct requests) ---------------------------
 
-    def _take_slot(self, body: dict[str, Any], isolated: bool, chat: bool) -> tuple[int, bool]:
+    def _take_slot(
+        self, body: dict[str, Any], isolated: bool, chat: bool, resumed: bool = False
+    ) -> tuple[int, bool]:
         """A slot for ``body`` (set as its ``id_slot``), with its disk-tier state restored;
         returns (slot, cache-isolated). A salted request (cache isolation) reuses no state
         and leaves none behind: no prompt cache, no slot reuse, no disk tier, and its slot
         is wiped when it is given back."""
         pool = self._slot_pool
         assert pool is not None
-        slot = pool.acquire("" if isolated else _slot_key(body))
+        slot = pool.acquire("" if isolated else _slot_key(body), resumed=resumed)
         body["id_slot"] = slot
         if isolated:
             body["cache_prompt"] = False
@@ -538,6 +588,21 @@ def _load_error(model: str, log_text: str, n_ctx: int, slots: int, kv: str) -> E
             code="engine_load_failed",
         )
     return EngineError(f"llama.cpp could not load {model}: {detail}")
+
+
+def resumable(request: TextRequest) -> bool:
+    """Whether a direct stream may be preempted and resumed as a continuation
+    (server/resume.py): a plain streamed text answer. Never a cache-isolated request (its
+    slot shares nothing), one resumed already (it must finish), nor tools or a
+    response_format (the continuation would restart the grammar mid-object)."""
+    return (
+        request.stream
+        and not request.isolated
+        and not request.resumed
+        and not request.tools
+        and request.response_format in (None, {"type": "text"})
+        and request.logprobs is None
+    )
 
 
 def _slot_key(body: dict[str, Any]) -> str:

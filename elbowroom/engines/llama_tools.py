@@ -130,7 +130,9 @@ def _inlined(tool: dict[str, Any]) -> dict[str, Any]:
     ("cannot resolve $ref #/$defs/City"). A recursive model cannot be inlined and is sent
     as it came."""
     fn = tool.get("function")
-    params = fn.get("parameters") if isinstance(fn, dict) else None
+    if not isinstance(fn, dict):
+        return tool
+    params = fn.get("parameters")
     if not isinstance(params, dict) or not any(k in params for k in _DEF_TABLES):
         return tool
     try:

@@ -36,13 +36,14 @@ from typing import Any, Protocol, runtime_checkable
 
 import anyio
 
-from elbowroom.engines.llama import translate_error
+from elbowroom.engines.llama import resumable, translate_error
 from elbowroom.engines.requests import DirectClose, Payload, TextRequest
 from elbowroom.errors import ElbowroomError, EngineError, MemoryPressure, RunnerCrashed
 from elbowroom.memory.types import Pressure
 from elbowroom.server.errors import public_error
 from elbowroom.server.metrics import record_tokens
 from elbowroom.server.model_calls import answer
+from elbowroom.server.resume import Resume
 from elbowroom.server.sse import DONE, sse
 
 log = logging.getLogger("elbowroom.server")
@@ -84,6 +85,10 @@ async def open_direct(
     await direct.connect(request.stream)
     stack.callback(direct.disconnect)
     stack.callback(runner.watch_pressure(direct.on_pressure))
+    watch_notices = getattr(runner, "watch_notices", None)
+    if watch_notices is not None and resumable(request):  # server/resume.py
+        direct.resume = Resume(request)
+        stack.callback(watch_notices(direct.on_notice))
     return direct
 
 
@@ -115,6 +120,7 @@ class DirectStream:
         self.aborted: str | None = None
         self.tokens = 0
         self.finished = False
+        self.resume: Resume | None = None  # a resumable stream's state (server/resume.py)
 
     # ---- the engine connection ---------------------------------------------------------
 
@@ -220,11 +226,13 @@ class DirectStream:
         if self.writer is not None:
             self.writer.transport.abort()
 
-    async def close_ticket(self) -> None:
-        """Give the slot back (and the prefill timing to the cache's cost model)."""
+    async def close_ticket(self, resume: bool = False) -> None:
+        """Give the slot back (and the prefill timing to the cache's cost model); ``resume``:
+        preempted, its state is saved first for the continuation (server/resume.py)."""
         with anyio.CancelScope(shield=True):
             try:
-                await answer(self.runner, "close", DirectClose(self.ticket["ticket"], self.timings))
+                closing = DirectClose(self.ticket["ticket"], self.timings, resume)
+                await answer(self.runner, "close", closing)
             except ElbowroomError as exc:  # the runner is gone: its slots went with it
                 log.debug("closing direct stream %s: %s", self.ticket.get("ticket"), exc)
 
@@ -232,6 +240,41 @@ class DirectStream:
         if level >= Pressure.HARD and not self.finished and self.aborted is None:
             self.aborted = "pressure"
             self.disconnect()
+
+    def on_notice(self, data: dict[str, Any]) -> None:
+        """The engine preempts this stream (server/resume.py): end the engine connection;
+        the relay resumes when its read breaks."""
+        resume = self.resume
+        if (
+            resume is not None
+            and data.get("preempt") == self.ticket.get("ticket")
+            and not self.finished
+            and not resume.preempted
+        ):
+            resume.preempt()
+            self.disconnect()
+
+    async def _resumed(self) -> asyncio.StreamReader:
+        """Give the preempted ticket back (its slot goes to the request that needs its
+        prefix) and open the continuation on another slot: its reader."""
+        assert self.resume is not None
+        preempted = int(self.ticket["ticket"])
+        await self.close_ticket(resume=True)  # the slot's state is saved, the slot given away
+        continuation = self.resume.continuation(preempted)
+        ticket = await answer(self.runner, "open", continuation)
+        if not ticket.get("direct"):
+            raise EngineError("the preempted stream's continuation was not a direct stream")
+        self.ticket = ticket
+        self.engine_model = None
+        await self.connect(True)
+        log.info(
+            "resumed a preempted stream on %s after %d tokens (slot %s)",
+            self.model,
+            self.resume.produced,
+            ticket["body"].get("id_slot"),
+        )
+        assert self.reader is not None
+        return self.reader
 
     async def _lost(self, exc: BaseException | None) -> ElbowroomError:
         """Why the engine connection broke: our pressure abort, the runner's death (its
@@ -293,14 +336,21 @@ class DirectStream:
         reader = self.reader
         assert reader is not None
         pending = b""
+        resume = self.resume
         while True:
             try:
                 size_line = await reader.readline()
                 size = int(size_line.split(b";", 1)[0], 16)
                 chunk = await reader.readexactly(size + 2) if size else b""
             except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+                if resume is not None and resume.preempted and not resume.resumed:
+                    reader, pending = await self._resumed(), b""
+                    continue
                 raise await self._lost(exc) from exc
             if not size:
+                if resume is not None and resume.preempted and not resume.resumed:
+                    reader, pending = await self._resumed(), b""
+                    continue
                 raise await self._lost(None)  # the body ended without [DONE]
             pending += chunk[:-2]
             end = pending.rfind(b"\n\n")
@@ -308,6 +358,11 @@ class DirectStream:
                 continue
             events, pending = pending[: end + 2], pending[end + 2 :]
             out, done = self._rewrite(events)
+            if resume is not None:
+                if resume.resumed:
+                    out = resume.splice(out)
+                else:
+                    resume.record(out)
             if out:
                 yield out
             if done:
@@ -355,6 +410,8 @@ class DirectStream:
             }
         usage = chunk.get("usage")
         if isinstance(usage, dict):
+            if self.resume is not None:
+                self.resume.fix_usage(usage)
             details = usage.get("prompt_tokens_details")
             if isinstance(details, dict) and "cached_tokens" in details:
                 cached = int(details["cached_tokens"])
