@@ -30,6 +30,7 @@ import asyncio
 import json
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
 from typing import Any, Protocol, runtime_checkable
@@ -268,10 +269,11 @@ class DirectStream:
         self.engine_model = None
         await self.connect(True)
         log.info(
-            "resumed a preempted stream on %s after %d tokens (slot %s)",
+            "resumed a preempted stream on %s after %d tokens (slot %s): stalled %.2f s",
             self.model,
             self.resume.produced,
             ticket["body"].get("id_slot"),
+            time.monotonic() - self.resume.preempted_at,
         )
         assert self.reader is not None
         return self.reader
