@@ -219,6 +219,49 @@ def test_a_prompt_whose_slot_is_busy_waits_for_it_rather_than_recomputing() -> N
     assert elsewhere != first and slots.prefix_waits == 2
 
 
+def test_a_busy_slot_holding_a_long_prefix_is_preempted_and_claimed() -> None:
+    """Preempt and resume (server/resume.py): the slot whose stream holds the prefix is
+    preempted at once (no wait for its answer to end), claimed for the request that needs
+    it — the preempted stream's continuation, arriving meanwhile, takes another slot — and
+    the continuation itself never waits nor preempts. A slot whose holder cannot be
+    preempted is waited for as before."""
+    control = cast(EngineControl, _NoControl())
+    slots = Slots(control, 3, None, save_dir=Path("/nonexistent"), block_tokens=64)
+    asked: list[int] = []
+    slots.preempt = lambda slot: asked.append(slot) is None  # True: it will come free
+    slots.observe_prefill({"prompt_n": 1000, "prompt_ms": 10_000.0})  # 100 tokens/s
+    prefix = "system: " + "".join(f"Rule {i}: check shelf {i % 17}.\n" for i in range(200))
+    first = slots.acquire(prefix + "user: question one")
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(slots.acquire(prefix + "user: two")))
+    waiter.start()
+    deadline = time.monotonic() + 30
+    while not asked and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert asked == [first] and slots.preemptions == 1 and not got
+    # The preempted stream gives its slot back and its continuation (which shares the most
+    # with that slot) asks for one: the claimed slot is not for it, and it does not wait.
+    with slots._lock:  # the release and the continuation's acquire before the waiter wakes
+        slots._free.add(first)
+    resumed = slots.acquire(prefix + "user: question one. The answer", resumed=True)
+    assert resumed != first
+    slots.release(first)
+    waiter.join(30)
+    assert got == [first] and slots.preemptions == 1
+    # A holder that cannot be preempted: waited for, no preemption counted.
+    slots.preempt = lambda slot: False
+    third: list[int] = []
+    again = threading.Thread(target=lambda: third.append(slots.acquire(prefix + "user: 3")))
+    again.start()
+    deadline = time.monotonic() + 30
+    while slots.prefix_waits < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not third and slots.preemptions == 1
+    slots.release(first)
+    again.join(30)
+    assert third == [first]
+
+
 def test_only_engine_slot_files_are_stored() -> None:
     good = SEQ_MAGIC.to_bytes(4, "little") + (4).to_bytes(4, "little") + b"\0" * 8
     assert is_slot_state(good)
