@@ -168,6 +168,9 @@ class Settings:
     kv_ram_max: int = _size(default=512 * 1024**2)  # per runner, fixed at load (MLX: shrinks)
     kv_disk_max: int = _size(default=4 * 1024**3)
     kv_block_tokens: int = 64
+    # A stream whose slot holds a long prefix another request needs is ended and resumed on
+    # another slot (docs/kvcache.md#preempt)
+    kv_preempt: bool = True
     # --- stored responses of /v1/responses (docs/api.md#responses): data dir / "responses"
     responses_ttl: float = 30 * 24 * 3600.0  # seconds a stored response is kept
     responses_max: int = _size(default=1024**3)  # bytes of all stored responses (oldest go)

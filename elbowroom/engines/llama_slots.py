@@ -23,6 +23,7 @@ import os
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,11 @@ CHARS_PER_TOKEN = 3  # shared characters to tokens to recompute (a generous esti
 # waits longer for a slot that then saves that long prefill.
 DEFAULT_PREFILL_TPS = 200.0
 MAX_PREFIX_WAIT_S = 120.0
+# Preempting (``Slots.preempt``): a busy slot is preempted only when recomputing what it
+# holds beyond the free slots would take at least this long; the request then waits at most
+# PREEMPT_WAIT_S for the preempted stream's relay to close (then it recomputes).
+MIN_PREEMPT_S = 1.0
+PREEMPT_WAIT_S = 30.0
 
 
 def is_slot_state(blob: bytes) -> bool:
@@ -101,6 +107,13 @@ class Slots:
         self._last_used = dict.fromkeys(range(slots), 0.0)
         self._prefill_tps = 0.0  # the engine's measured prefill speed (tokens/s), 0: unknown
         self.prefix_waits = 0  # requests that waited for the busy slot holding their prefix
+        # Preempt and resume (docs/kvcache.md#preempt): called, without the lock, with a
+        # busy slot that holds a request's long prefix; True when that slot's generation is
+        # being ended (its stream resumes on another slot) and the slot will come free.
+        self.preempt: Callable[[int], bool] | None = None
+        self.preemptions = 0
+        self._claimed: dict[int, int] = {}  # slot -> the waiting request it was freed for
+        self._claims = 0
         # Each slot's last prompt, rendered and tokenized (when the disk tier was looked
         # up for it): the next request of a conversation extends it, and only the new part
         # needs the tokenizer; a save reuses it when it was tokenized whole.
@@ -133,7 +146,7 @@ class Slots:
 
     # ---- slot assignment ---------------------------------------------------------------
 
-    def acquire(self, key: str) -> int:
+    def acquire(self, key: str, *, resumed: bool = False) -> int:
         """A slot for a request whose text (in order) is ``key``: the free slot that shares
         the longest beginning with it, else the least recently used.
 
@@ -146,6 +159,12 @@ class Slots:
         answer runs to its end) exists nowhere else; a close that reaches the runner a
         moment after the next request is the same race. On a machine whose cores the
         prefills share, running the two prefills side by side would not have been faster.
+
+        With ``preempt`` set, such a slot's generation is ended at once instead, when that
+        saves at least MIN_PREEMPT_S of recompute: its stream resumes on another slot
+        (server/resume.py), and the slot is claimed for this request, so the resumed one
+        cannot take it back. ``resumed``: that resumed stream itself: it takes the best free
+        slot at once (never waits, never preempts).
         """
         whole = len(key)
         key = key[:MAX_KEY_CHARS]
@@ -171,10 +190,13 @@ class Slots:
                 finally:
                     self.waiting -= 1
             deadline: float | None = None
+            self._claims += 1
+            me = self._claims
+            tried_preempt = False
             while True:
-                slot = max(self._free, key=score)
-                gain = self._busy_gain(key, whole, score(slot)[0])
-                if gain <= 0:
+                slot = max(self._open_slots(me), key=score)
+                gain, busy = self._busy_gain(key, whole, score(slot)[0])
+                if gain <= 0 or resumed:
                     break
                 now = time.monotonic()
                 if deadline is None:
@@ -186,29 +208,58 @@ class Slots:
                         gain,
                         deadline - now,
                     )
+                preempt = self.preempt
+                if (
+                    not tried_preempt
+                    and preempt is not None
+                    and gain / CHARS_PER_TOKEN / (self._prefill_tps or DEFAULT_PREFILL_TPS)
+                    >= MIN_PREEMPT_S
+                ):
+                    tried_preempt = True
+                    self._lock.release()
+                    try:
+                        ended = preempt(busy)
+                    finally:
+                        self._lock.acquire()
+                    if ended:
+                        self.preemptions += 1
+                        self._claimed[busy] = me
+                        deadline = max(deadline, now + PREEMPT_WAIT_S)
+                        log.info("preempted the stream on slot %d for this prompt's prefix", busy)
+                    continue
                 if now >= deadline:
                     log.info("the slot holding this prompt's prefix stayed busy: recomputing")
                     break
                 self._slot_freed.wait(deadline - now)
+            for s, owner in list(self._claimed.items()):
+                if owner == me:
+                    del self._claimed[s]
             self._free.discard(slot)
             self._last_key[slot] = key
             self._last_len[slot] = whole
             self._last_used[slot] = time.monotonic()
             return slot
 
-    def _busy_gain(self, key: str, whole: int, free_shared: int) -> int:
+    def _open_slots(self, me: int) -> set[int]:
+        """The free slots this request may take: not one freed (preempted) for another."""
+        mine = {s for s in self._free if self._claimed.get(s, me) == me}
+        return mine or self._free
+
+    def _busy_gain(self, key: str, whole: int, free_shared: int) -> tuple[int, int]:
         """Characters a busy slot shares with ``key`` beyond the best free slot's ``free_
-        shared``, when that is worth waiting for (else 0). Called with the lock held."""
-        best = 0
+        shared``, when that is worth waiting for (else 0), and that slot. Called with the
+        lock held."""
+        best, best_slot = 0, -1
         for s, last in self._last_key.items():
             if s in self._free or not last:
                 continue
             shared = _text_prefix(last, key)
             if shared >= MAX_KEY_CHARS - 1:  # both go on past the cut: as long as the shorter
                 shared = min(whole, self._last_len[s])
-            best = max(best, shared)
+            if shared > best:
+                best, best_slot = shared, s
         gain = best - free_shared
-        return gain if gain >= MIN_WAIT_CHARS else 0
+        return (gain, best_slot) if gain >= MIN_WAIT_CHARS else (0, -1)
 
     def _recompute_seconds(self, chars: int) -> float:
         tps = self._prefill_tps or DEFAULT_PREFILL_TPS
@@ -232,6 +283,40 @@ class Slots:
             self._control.request("POST", f"/slots/{slot}?action=erase", {})
         except (OSError, RuntimeError, ValueError) as exc:
             log.warning("could not erase slot %d after an isolated request: %s", slot, exc)
+
+    # ---- a preempted stream's state (server/resume.py) ----------------------------------
+
+    def save_state(self, slot: int, name: str) -> bool:
+        """``slot``'s state into the private slot folder as ``name`` (the engine's slot save
+        waits until the slot's cancelled generation has stopped)."""
+        started = time.perf_counter()
+        try:
+            self._control.request("POST", f"/slots/{slot}?action=save", {"filename": name})
+        except (OSError, RuntimeError, ValueError) as exc:
+            log.warning("could not save preempted slot %d: %s", slot, exc)
+            return False
+        log.info("saved preempted slot %d in %.0f ms", slot, (time.perf_counter() - started) * 1e3)
+        return True
+
+    def restore_state(self, slot: int, name: str) -> bool:
+        """A state ``save_state`` wrote into ``slot``; the file goes either way."""
+        path = self._save_dir / name
+        started = time.perf_counter()
+        try:
+            if not path.exists():
+                return False
+            self._control.request("POST", f"/slots/{slot}?action=restore", {"filename": name})
+        except (OSError, RuntimeError, ValueError) as exc:
+            log.warning("could not restore a preempted state into slot %d: %s", slot, exc)
+            return False
+        finally:
+            path.unlink(missing_ok=True)
+        log.info(
+            "restored a preempted state into slot %d in %.0f ms",
+            slot,
+            (time.perf_counter() - started) * 1e3,
+        )
+        return True
 
     # ---- disk tier ---------------------------------------------------------------------
 

@@ -47,6 +47,7 @@ def plan(body: dict[str, Any], native: bool) -> ToolPlan:
     body = {k: v for k, v in body.items() if k not in ("tools", "tool_choice")}
     if not tools or choice == "none":
         return ToolPlan(body, emulated=False)
+    tools = [_inlined(t) for t in tools]
     named = _named(choice, tools)
     if native:
         if named is not None:
@@ -110,6 +111,56 @@ def _named(choice: Any, tools: list[dict[str, Any]]) -> dict[str, Any] | None:
         if tool["function"]["name"] == name:
             return tool
     raise BadRequest(f"tool_choice names {name!r}, which is not in tools", param="tool_choice")
+
+
+class _Recursive(Exception):
+    pass
+
+
+_DEF_TABLES = ("$defs", "definitions")
+
+
+def _inlined(tool: dict[str, Any]) -> dict[str, Any]:
+    """``tool`` with the local ``$ref``s of its parameters replaced by what they name.
+
+    Pydantic writes a nested model as ``{"$ref": "#/$defs/City"}`` with ``$defs`` at the
+    parameters' root (instructor's default mode sends every response model so). Both
+    paths nest the parameters inside a call object (``{"name", "arguments": <params>}``),
+    where ``#/$defs`` no longer points at them: llama.cpp then refuses the request
+    ("cannot resolve $ref #/$defs/City"). A recursive model cannot be inlined and is sent
+    as it came."""
+    fn = tool.get("function")
+    if not isinstance(fn, dict):
+        return tool
+    params = fn.get("parameters")
+    if not isinstance(params, dict) or not any(k in params for k in _DEF_TABLES):
+        return tool
+    try:
+        inlined = _resolve(params, params, frozenset(), root=True)
+    except _Recursive:
+        return tool
+    return {**tool, "function": {**fn, "parameters": inlined}}
+
+
+def _resolve(node: Any, root_schema: dict[str, Any], seen: frozenset[str], root: bool) -> Any:
+    if isinstance(node, list):
+        return [_resolve(v, root_schema, seen, False) for v in node]
+    if not isinstance(node, dict):
+        return node
+    ref = node.get("$ref")
+    if isinstance(ref, str):
+        table, _, name = ref.removeprefix("#/").partition("/")
+        target = (root_schema.get(table) or {}).get(name) if table in _DEF_TABLES else None
+        if isinstance(target, dict):
+            if ref in seen:
+                raise _Recursive(ref)
+            rest = {k: v for k, v in node.items() if k != "$ref"}
+            return _resolve({**target, **rest}, root_schema, seen | {ref}, False)
+    return {
+        k: _resolve(v, root_schema, seen, False)
+        for k, v in node.items()
+        if not (root and k in _DEF_TABLES)
+    }
 
 
 def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:

@@ -53,6 +53,7 @@ class LlamaOptions(EngineOptions):
     kv_cache_dir: str | None = None
     kv_disk_max: int = 0
     kv_block_tokens: int = 64
+    preempt: bool = True  # kv_preempt: preempt a stream for a request that needs its prefix
     offload: Offload = field(default_factory=Offload)
 
 

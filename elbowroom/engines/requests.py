@@ -54,6 +54,8 @@ class TextRequest:
     logprobs: int | None = None
     isolated: bool = False  # cache_salt: shares no KV state with any other request
     stream: bool = False  # the client's wish (the engine always streams to the relay)
+    # A preempted stream's continuation (server/resume.py): the ticket it continues; 0: none.
+    resumed: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +85,7 @@ class CloseTicket:
 
     ticket: int
     timings: dict[str, Any] | None = None  # the engine's prefill timings, for the cost model
+    resume: bool = False  # preempted: save the slot's state for the continuation first
 
 
 @dataclass(frozen=True, kw_only=True)

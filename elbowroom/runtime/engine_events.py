@@ -19,6 +19,11 @@ events come from is the ticket's to say:
 Closing the generator (``aclose``; the relay always does) ends everything: the engine
 connection or the runner request, then ``close`` gives the slot back (shielded). The
 engine's prefill timings ride on that ``close`` to the cache's cost model.
+
+``preemptible`` (a resumable stream, server/resume.py): the runner's notice
+``{"preempt": ticket}`` closes the engine connection, ``close`` asks the engine to save the
+slot's state first (``CloseTicket.resume``), and the generator raises ``Preempted``; the
+relay then opens the continuation (server/relay.py ``Relay._blocks``).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import asyncio
 import json
 import logging
 import re
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, Protocol, cast
 
@@ -44,6 +50,16 @@ MAX_ERROR_BODY = 1 << 20
 EXIT_WAIT = 2.0  # seconds a broken engine connection waits to learn whether the runner died
 _TIMINGS = re.compile(rb'"timings":(\{[^{}]*\})')
 TIMING_KEYS = ("cache_n", "prompt_n", "prompt_ms", "predicted_n", "predicted_ms")
+
+
+class Preempted(EngineError):
+    """The engine took this stream's slot for a request that needs its prefix; its state is
+    saved for the continuation (server/resume.py)."""
+
+    def __init__(self, ticket: int, at: float) -> None:
+        super().__init__(f"ticket {ticket} was preempted")
+        self.ticket = ticket
+        self.at = at  # time.monotonic() of the runner's notice
 
 
 class TextRunner(Protocol):
@@ -64,7 +80,7 @@ class SocketHost(TextRunner, Protocol):
 
 
 async def text_events(
-    runner: TextRunner, request: TextRequest
+    runner: TextRunner, request: TextRequest, *, preemptible: bool = False
 ) -> AsyncGenerator[TextTicket | bytes, None]:
     items = runner.request("open", request)
     try:
@@ -74,7 +90,7 @@ async def text_events(
             raise EngineError(f"the runner answered open with {first!r}")
         if ticket.socket is not None:
             await _aclose(items)  # the ticket was the whole answer: the slot is held
-            inner = _from_socket(cast(SocketHost, runner), ticket)
+            inner = _from_socket(cast(SocketHost, runner), ticket, preemptible)
             try:
                 async for out in inner:
                     yield out
@@ -94,13 +110,17 @@ async def text_events(
 
 
 async def _from_socket(
-    runner: SocketHost, ticket: TextTicket
+    runner: SocketHost, ticket: TextTicket, preemptible: bool = False
 ) -> AsyncGenerator[TextTicket | bytes, None]:
     conn = EngineConnection(runner, ticket)
     unwatch: Callable[[], None] = lambda: None  # noqa: E731
+    unnotice: Callable[[], None] = lambda: None  # noqa: E731
     try:
         await conn.connect()
         unwatch = runner.watch_pressure(conn.on_pressure)
+        watch_notices = getattr(runner, "watch_notices", None)
+        if preemptible and watch_notices is not None:
+            unnotice = watch_notices(conn.on_notice)
         yield TextTicket(
             ticket=ticket.ticket,
             socket=None,
@@ -112,10 +132,12 @@ async def _from_socket(
             yield block
     finally:
         unwatch()
+        unnotice()
         conn.disconnect()
         with anyio.CancelScope(shield=True):
             try:
-                await _answer(runner, CloseTicket(ticket.ticket, conn.timings))
+                resume = conn.aborted == "preempt"  # the engine saves the slot's state first
+                await _answer(runner, CloseTicket(ticket.ticket, conn.timings, resume))
             except ElbowroomError as exc:  # the runner is gone: its slots went with it
                 log.debug("closing ticket %s: %s", ticket.ticket, exc)
 
@@ -144,6 +166,7 @@ class EngineConnection:
         self.aborted: str | None = None
         self.events_seen = 0
         self.finished = False
+        self.preempted_at = 0.0
 
     async def connect(self) -> None:
         ticket = self.ticket
@@ -243,9 +266,20 @@ class EngineConnection:
             if self.writer is not None:
                 self.writer.transport.abort()
 
+    def on_notice(self, data: dict[str, Any]) -> None:
+        """The engine preempts this stream (server/resume.py): end the engine connection;
+        the read breaks with ``Preempted``."""
+        if data.get("preempt") == self.ticket.ticket and not self.finished and not self.aborted:
+            self.aborted = "preempt"
+            self.preempted_at = time.monotonic()
+            if self.writer is not None:
+                self.writer.transport.abort()
+
     async def _lost(self, exc: BaseException | None) -> ElbowroomError:
-        """Why the engine connection broke: our pressure abort, the runner's death (its
-        process is reaped a moment after its socket closes) or something else."""
+        """Why the engine connection broke: our pressure abort, a preemption, the runner's
+        death (its process is reaped a moment after its socket closes) or something else."""
+        if self.aborted == "preempt":
+            return Preempted(self.ticket.ticket, self.preempted_at)
         if self.aborted == "pressure":
             return MemoryPressure(
                 f"generation aborted: memory pressure is hard (after {self.events_seen} "

@@ -142,6 +142,7 @@ class Supervisor(RunnerStatus):
         self._send_lock = threading.Lock()
         self._level = 0
         self._pressure_watchers: set[Callable[[int], None]] = set()
+        self._notice_watchers: set[Callable[[dict[str, Any]], None]] = set()
 
     # ---- Runner properties -------------------------------------------------------------
 
@@ -327,6 +328,12 @@ class Supervisor(RunnerStatus):
             watcher(self._level)
         return lambda: self._pressure_watchers.discard(watcher)
 
+    def watch_notices(self, watcher: Callable[[dict[str, Any]], None]) -> Callable[[], None]:
+        """Call ``watcher(data)`` on every notice the engine sends unasked (a preempted relayed
+        stream: server/resume.py) until the returned function is called."""
+        self._notice_watchers.add(watcher)
+        return lambda: self._notice_watchers.discard(watcher)
+
     async def exit_within(self, timeout: float) -> str | None:
         """The exit cause, once the death of the process has been seen (None if it is still
         alive after ``timeout`` seconds). A relayed request sees its engine's socket close a
@@ -398,6 +405,12 @@ class Supervisor(RunnerStatus):
         elif event == "load_failed":
             if self._ready is not None and not self._ready.done():
                 self._ready.set_exception(ElbowroomError.from_wire(msg["error"]))
+        elif event == "notice":
+            for watcher in list(self._notice_watchers):
+                try:
+                    watcher(msg.get("data") or {})
+                except Exception:
+                    log.exception("a notice watcher of %s failed", self.spec.id)
         elif event == "stats":
             while self._stats_waiters:
                 waiter = self._stats_waiters.popleft()

@@ -128,6 +128,8 @@ class _Worker:
         self.outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.level = level
         self.loaded = threading.Event()
+        if hasattr(engine, "notify"):  # the engine's notices to the server (server/resume.py)
+            engine.notify = self._notice
 
     def serve(self, spec: ModelSpec, options: EngineOptions) -> int:
         sender = threading.Thread(target=self._send_loop, name="runner-sender", daemon=True)
@@ -263,6 +265,9 @@ class _Worker:
     def _drop_flag(self, rid: int) -> None:
         with self.flags_lock:
             self.cancel_flags.pop(rid, None)
+
+    def _notice(self, data: dict[str, Any]) -> None:
+        self._send({"event": "notice", "data": data})
 
     def _event(self, rid: int, event: str, data: dict[str, Any]) -> None:
         self._send({"id": rid, "event": event, "data": data})

@@ -151,5 +151,6 @@ def start_options(settings: Settings, spec: ModelSpec, plan: Plan) -> EngineOpti
         kv_cache_dir=str(settings.kv_cache_path),
         kv_disk_max=settings.kv_disk_max,
         kv_block_tokens=settings.kv_block_tokens,
+        preempt=settings.kv_preempt,
         offload=plan.placement.offload() if plan.placement is not None else Offload(),
     )

@@ -21,8 +21,14 @@ Every chat and completion request, OpenAI's or Ollama's, streamed or not, goes t
    engine's ``close`` gives the slot back, the scheduler gets its runner back. Idempotent
    and shielded.
 
-A continuation (a request resumed on another slot) would be spliced in ``Relay._blocks``:
-it is the one place the engine's events are read.
+A preempted stream's continuation (server/resume.py; docs/kvcache.md#preempt) is spliced in
+``Relay._blocks``, the one place the engine's events are read: a resumable stream (a
+streamed plain-text chat or completion) records the engine events it relays; when the
+runner takes its slot for a request that needs its prefix, its events end with
+``Preempted`` (the slot's state saved), and ``_blocks`` opens the continuation on another
+slot with ``text_events`` and goes on with its events, the same id, no second opening
+chunk, the usage fixed, so the rewriter reads one engine stream. Its ``aclose`` joins the
+same exit stack: ``release`` stays the one end.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import asyncio
 import json
 import logging
 import re
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -39,15 +46,16 @@ from typing import Any, Protocol
 import anyio
 from starlette.requests import Request
 
-from elbowroom.engines.llama import translate_error
+from elbowroom.engines.llama import resumable, translate_error
 from elbowroom.engines.llama_tools import parse as parse_tool_reply
 from elbowroom.engines.requests import TextRequest, TextTicket
 from elbowroom.errors import ElbowroomError, EngineError
-from elbowroom.runtime.engine_events import text_events
+from elbowroom.runtime.engine_events import Preempted, text_events
 from elbowroom.server.errors import public_error
 from elbowroom.server.metrics import record_tokens
 from elbowroom.server.ollama_paths import error_body
 from elbowroom.server.ollama_reply import Reply
+from elbowroom.server.resume import Resume
 from elbowroom.server.shapes import Envelope, Logprobs
 from elbowroom.server.sse import DONE, ClientGone, sse, unless_client_leaves
 
@@ -87,12 +95,16 @@ class Relay:
         events: AsyncGenerator[TextTicket | bytes, None],
         first: bytes,
         rewriter: Rewriter,
+        runner: Any = None,
+        resume: Resume | None = None,
     ) -> None:
         self.model = model
         self.rewriter = rewriter
         self._stack: AsyncExitStack | None = stack
         self._events = events
         self._first: bytes | None = first
+        self._runner = runner  # for a continuation's ``open``
+        self.resume = resume  # a resumable stream's state (server/resume.py)
 
     @classmethod
     async def open(
@@ -106,7 +118,8 @@ class Relay:
         stack = AsyncExitStack()
         try:
             runner = await stack.enter_async_context(scheduler.use(model, keep_alive=keep_alive))
-            events = text_events(runner, request)
+            resume = Resume(request) if resumable(request) else None
+            events = text_events(runner, request, preemptible=resume is not None)
             stack.push_async_callback(events.aclose)  # the slot goes back before the runner
             ticket = await anext(events)
             first = await anext(events)
@@ -119,17 +132,58 @@ class Relay:
         except BaseException as exc:
             await _exit(stack, exc)
             raise
-        return cls(model, stack, events, first, rewriter(ticket))
+        if ticket.transcript:
+            resume = None  # a transcript prompt has no assistant turn to prefill
+        return cls(model, stack, events, first, rewriter(ticket), runner, resume)
 
     async def _blocks(self) -> AsyncIterator[bytes]:
-        """The engine's events, until its [DONE] (the rewriter says when)."""
+        """The engine's events, until its [DONE] (the rewriter says when); a preempted
+        stream's continuation spliced in (module docstring)."""
         first, self._first = self._first, None
         if first is not None:
-            yield first
-        async for block in self._events:
-            assert isinstance(block, bytes)
-            yield block
-        raise EngineError("the engine's stream ended without [DONE]")
+            yield self._seam(first)
+        while True:
+            try:
+                async for block in self._events:
+                    assert isinstance(block, bytes)
+                    yield self._seam(block)
+            except Preempted as preempted:
+                if self.resume is None or self.resume.resumed:
+                    raise
+                await self._continue(preempted)
+                continue
+            raise EngineError("the engine's stream ended without [DONE]")
+
+    def _seam(self, block: bytes) -> bytes:
+        """Engine events as one stream: recorded before a preemption, spliced after."""
+        resume = self.resume
+        if resume is None:
+            return block
+        if resume.resumed:
+            return resume.splice(block)
+        resume.record(block)
+        return block
+
+    async def _continue(self, preempted: Preempted) -> None:
+        """Open the preempted stream's continuation (its slot's state was saved when the
+        ticket went back): its events replace the preempted ones."""
+        resume, stack = self.resume, self._stack
+        assert resume is not None and stack is not None
+        resume.preempt()
+        resume.preempted_at = preempted.at
+        continuation = resume.continuation(preempted.ticket)
+        events = text_events(self._runner, continuation)  # a continuation is never preempted
+        stack.push_async_callback(events.aclose)
+        ticket = await anext(events)
+        if not isinstance(ticket, TextTicket):
+            raise EngineError(f"the continuation's events began with {ticket!r}")
+        self._events = events
+        log.info(
+            "resumed a preempted stream on %s after %d tokens: stalled %.2f s",
+            self.model,
+            resume.produced,
+            time.monotonic() - resume.preempted_at,
+        )
 
     async def stream(self) -> AsyncIterator[bytes]:
         """The client's streamed body; the request is released when it ends (any way)."""

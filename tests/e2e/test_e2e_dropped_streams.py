@@ -10,12 +10,22 @@ as it does for a client that closes its stream or cancels it.
 
 The wall-clock speed-up (≥30x over cold) is a benchmark's claim
 (benchmarks/dropped_stream.py); this test asserts the reuse itself: ``cached_tokens``.
+
+A bounded wait for the busy slot reused the prefix only when the dropped answer ended
+within the prefill's estimated time; preempt and resume (server/resume.py) ends that
+answer's generation for the request that needs its prefix and continues it on another slot,
+so the prefix is reused however long the answer runs — and a client that was only reading
+slowly still gets its whole answer, unchanged.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
+import threading
+import time
 from collections.abc import Callable
+from typing import Any
 
 import openai
 import pytest
@@ -103,7 +113,8 @@ def ask(server: ServerProcess, msgs: list[dict[str, str]]) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def server(server_factory: ServerFactory) -> ServerProcess:
-    started = server_factory("--preload", MODEL, "--ctx", "2048")
+    # 4,096 tokens a slot: the issue's prefix (~1,830) and an answer that runs on.
+    started = server_factory("--preload", MODEL, "--ctx", "4096")
     # A prefill the engine measures: how long a slot holding a prefix is worth waiting for.
     ask(started, messages("warm-up", "Which shelf for item 3?"))
     return started
@@ -142,3 +153,114 @@ def test_a_close_that_comes_after_the_answer_ended_spoils_nothing(server: Server
     ask(server, [{"role": "user", "content": "Say one word about the weather."}])
     n_prompt, cached = ask(server, messages("late", "Which aisle for item 12?"))
     assert cached >= len(prefix("late")) // 5 // BLOCK * BLOCK, (n_prompt, cached)
+
+
+# --- preempt and resume -----------------------------------------------------------------
+
+ISSUE_RULES = 46  # ~1,830 tokens with the chat template: the issue's prefix
+
+
+def issue_prefix(tag: str) -> str:
+    return (
+        f"Site {tag}. You are an agent that operates a warehouse system. You can call tools "
+        "by writing a line that starts with CALL. Rules follow.\n"
+        + "".join(
+            f"Rule {i}: when an order for item {i} arrives, check shelf {i % 17}, confirm the "
+            f"count with the inventory tool, and report the aisle number {i % 23} briefly.\n"
+            for i in range(ISSUE_RULES)
+        )
+    )
+
+
+def issue_messages(tag: str, question: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": issue_prefix(tag)}, {"role": "user", "content": question}]
+
+
+def preemptions(server: ServerProcess) -> int:
+    text = server.log_path.read_text(errors="replace")
+    return len(re.findall(r"resumed a preempted stream", text))
+
+
+@pytest.mark.timeout(900)
+def test_the_issue_sequence_hits_the_prompt_cache(server: ServerProcess) -> None:
+    """The bar's exact sequence: a stream over the ~1,830-token prefix with no max_tokens,
+    read to its first token and left with ``return`` (its long answer runs on), an
+    unrelated request, then the prefix with another question: it must reuse the prefix
+    whole. With only the bounded wait this recomputed it whenever the answer outlived the
+    estimated prefill time (the wait gives up, then prefills: fails)."""
+    kept = server.openai()
+
+    def dropped() -> None:
+        stream = kept.chat.completions.create(
+            model=MODEL,
+            messages=issue_messages("issue", QUESTION),  # type: ignore[arg-type]
+            stream=True,
+            temperature=0,  # greedy: the rule list runs to the context's end
+        )
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                return
+
+    dropped()
+    ask(server, [{"role": "user", "content": "Say one word about the weather."}])
+    n_prompt, cached = ask(server, issue_messages("issue", "Which aisle for item 12?"))
+    assert n_prompt > 1700
+    assert cached >= n_prompt - 2 * BLOCK, (n_prompt, cached)
+
+
+@pytest.mark.timeout(900)  # three ~1,830-token prefills on a shared 2-core machine
+def test_a_slow_reader_that_is_preempted_gets_its_whole_answer(server: ServerProcess) -> None:
+    """A stream preempted for another request's prefix while its client reads slowly is
+    resumed on another slot: the client sees one stream (one id, one opening chunk), the
+    same text as the same greedy request un-preempted, and usage that counts the tokens
+    sent before the preemption as completion tokens."""
+    request: dict[str, Any] = {
+        "model": MODEL,
+        "messages": issue_messages("slow", QUESTION),
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": 160,
+        "temperature": 0,
+        "seed": 11,
+    }
+
+    def read(stream: Any, first: threading.Event | None = None) -> tuple[str, Any, set[str], int]:
+        text, usage, ids, openings = "", None, set(), 0
+        for chunk in stream:
+            ids.add(chunk.id)
+            if chunk.usage is not None:
+                usage = chunk.usage
+            if not chunk.choices:
+                continue
+            delta = chunk.choices[0].delta
+            openings += delta.role is not None
+            if delta.content:
+                text += delta.content
+                if first is not None:
+                    first.set()
+                    time.sleep(0.05)  # a slow reader
+        return text, usage, ids, openings
+
+    client = server.openai()
+    want, want_usage, _, _ = read(client.chat.completions.create(**request))
+    before = preemptions(server)
+    first = threading.Event()
+    got: list[tuple[str, Any, set[str], int]] = []
+    reader = threading.Thread(
+        target=lambda: got.append(read(client.chat.completions.create(**request), first))
+    )
+    reader.start()
+    assert first.wait(600), "no first token"
+    # The same prefix, another question, while the slow reader's answer is generated.
+    n_prompt, cached = ask(server, issue_messages("slow", "Which aisle for item 12?"))
+    reader.join(600)
+    assert got, "the preempted stream's reader failed"
+    text, usage, ids, openings = got[0]
+    assert preemptions(server) == before + 1, "the stream was not preempted"
+    assert cached >= n_prompt - 2 * BLOCK, (n_prompt, cached)
+    assert text == want
+    assert len(ids) == 1 and openings == 1
+    assert usage is not None and want_usage is not None
+    assert abs(usage.completion_tokens - want_usage.completion_tokens) <= 1
+    assert abs(usage.prompt_tokens - want_usage.prompt_tokens) <= 1
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens

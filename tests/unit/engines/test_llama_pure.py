@@ -64,6 +64,30 @@ def test_emulated_auto_allows_a_plain_answer_and_none_drops_the_tools() -> None:
     assert not p.emulated and "response_format" not in p.body and "tools" not in p.body
 
 
+def test_nested_models_in_tool_parameters_are_inlined_for_both_paths() -> None:
+    """instructor's default mode sends a pydantic model with a nested one as a tool whose
+    parameters carry ``$defs``; nested inside the call object, ``#/$defs/City`` resolved
+    nowhere and llama.cpp refused the request (a 400 for every nested model)."""
+    city = {"type": "object", "properties": {"name": {"type": "string"}}}
+    params = {
+        "$defs": {"City": city},
+        "type": "object",
+        "properties": {"cities": {"type": "array", "items": {"$ref": "#/$defs/City"}}},
+    }
+    tool = {"type": "function", "function": {"name": "Country", "parameters": params}}
+    want = {"type": "object", "properties": {"cities": {"type": "array", "items": city}}}
+    native = plan({"messages": _messages(), "tools": [tool]}, native=True)
+    assert native.body["tools"][0]["function"]["parameters"] == want
+    emulated = plan({"messages": _messages(), "tools": [tool], "tool_choice": "required"}, False)
+    schema = emulated.body["response_format"]["json_schema"]["schema"]
+    assert schema["properties"]["arguments"] == want
+    # A recursive model cannot be inlined: it is sent as it came.
+    node = {"type": "object", "properties": {"kids": {"items": {"$ref": "#/$defs/Node"}}}}
+    recursive = {**params, "$defs": {"Node": node}, "properties": {"n": {"$ref": "#/$defs/Node"}}}
+    rtool = {"type": "function", "function": {"name": "Tree", "parameters": recursive}}
+    assert plan({"messages": _messages(), "tools": [rtool]}, True).body["tools"] == [rtool]
+
+
 def test_a_named_choice_missing_from_tools_is_a_bad_request() -> None:
     choice = {"type": "function", "function": {"name": "nope"}}
     with pytest.raises(BadRequest):
@@ -140,6 +164,49 @@ def test_a_prompt_whose_slot_is_busy_waits_for_it_rather_than_recomputing() -> N
     slots.observe_prefill({"prompt_n": 100_000, "prompt_ms": 1000.0})  # ~0.02 s to recompute
     elsewhere = slots.acquire(prefix + "user: three")
     assert elsewhere != first and slots.prefix_waits == 2
+
+
+def test_a_busy_slot_holding_a_long_prefix_is_preempted_and_claimed() -> None:
+    """Preempt and resume (server/resume.py): the slot whose stream holds the prefix is
+    preempted at once (no wait for its answer to end), claimed for the request that needs
+    it — the preempted stream's continuation, arriving meanwhile, takes another slot — and
+    the continuation itself never waits nor preempts. A slot whose holder cannot be
+    preempted is waited for as before."""
+    control = cast(EngineControl, _NoControl())
+    slots = Slots(control, 3, None, save_dir=Path("/nonexistent"), block_tokens=64)
+    asked: list[int] = []
+    slots.preempt = lambda slot: asked.append(slot) is None  # True: it will come free
+    slots.observe_prefill({"prompt_n": 1000, "prompt_ms": 10_000.0})  # 100 tokens/s
+    prefix = "system: " + "".join(f"Rule {i}: check shelf {i % 17}.\n" for i in range(200))
+    first = slots.acquire(prefix + "user: question one")
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(slots.acquire(prefix + "user: two")))
+    waiter.start()
+    deadline = time.monotonic() + 30
+    while not asked and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert asked == [first] and slots.preemptions == 1 and not got
+    # The preempted stream gives its slot back and its continuation (which shares the most
+    # with that slot) asks for one: the claimed slot is not for it, and it does not wait.
+    with slots._lock:  # the release and the continuation's acquire before the waiter wakes
+        slots._free.add(first)
+    resumed = slots.acquire(prefix + "user: question one. The answer", resumed=True)
+    assert resumed != first
+    slots.release(first)
+    waiter.join(30)
+    assert got == [first] and slots.preemptions == 1
+    # A holder that cannot be preempted: waited for, no preemption counted.
+    slots.preempt = lambda slot: False
+    third: list[int] = []
+    again = threading.Thread(target=lambda: third.append(slots.acquire(prefix + "user: 3")))
+    again.start()
+    deadline = time.monotonic() + 30
+    while slots.prefix_waits < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not third and slots.preemptions == 1
+    slots.release(first)
+    again.join(30)
+    assert third == [first]
 
 
 def test_only_engine_slot_files_are_stored() -> None:

@@ -495,3 +495,134 @@ def test_ollama_generate_collected_with_emulated_calls(tmp_path: Path) -> None:
     assert call["function"]["name"] == "get_weather"
     assert call["function"]["arguments"] == {"city": "Oslo"}
     assert released_once(run)
+
+
+# ---- preempt and resume: the continuation spliced in (server/resume.py) ---------------------
+
+
+def _delta(sid: str, content: str | None, role: bool = False) -> bytes:
+    delta: dict[str, Any] = {"content": content}
+    if role:
+        delta["role"] = "assistant"
+    choice = {"finish_reason": None, "index": 0, "delta": delta}
+    return _event({"choices": [choice], "id": sid, "model": ENGINE_MODEL})
+
+
+class SeamEngine(Engine):
+    """One scripted response per connection, in turn: the preempted stream, then its
+    continuation."""
+
+    def __init__(self, path: Path, scripts: list[tuple[list[bytes], bool]]) -> None:
+        super().__init__(path, 200, [])
+        self.scripts = scripts
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.closed.clear()
+        self.pieces, self.hold = self.scripts[len(self.requests)]
+        await super().handle(reader, writer)
+
+
+class NoticeRunner(Runner):
+    """A runner whose engine preempts: tickets 7, 8, ... and the notice watchers."""
+
+    def __init__(self, socket: Path) -> None:
+        super().__init__(socket, {})
+        self.opened: list[TextRequest] = []
+        self.notice_watchers: set[Callable[[dict[str, Any]], None]] = set()
+
+    def watch_notices(self, watcher: Callable[[dict[str, Any]], None]) -> Callable[[], None]:
+        self.notice_watchers.add(watcher)
+        return lambda: self.notice_watchers.discard(watcher)
+
+    async def request(self, kind: str, payload: Payload) -> AsyncIterator[dict[str, Any]]:
+        if kind == "open":
+            assert isinstance(payload, TextRequest)
+            self.opened.append(payload)
+            ticket = TextTicket(
+                ticket=6 + len(self.opened),
+                socket=str(self.socket),
+                key="k3y",
+                path="/v1/chat/completions",
+                body={"messages": list(payload.messages), "stream": True},
+                block_tokens=64,
+            )
+            yield {"type": "done", "ticket": ticket}
+        else:
+            async for item in super().request(kind, payload):
+                yield item
+
+
+def preempted(tmp_path: Path, make: Make) -> tuple[bytes, NoticeRunner, Scheduler]:
+    """A stream preempted after "Hel" "lo" (ticket 7), continued as ticket 8: " world"."""
+    usage = {
+        "completion_tokens": 3,
+        "prompt_tokens": 202,  # the prompt's 200 + the 2 tokens prefilled
+        "total_tokens": 205,
+        "prompt_tokens_details": {"cached_tokens": 201},
+    }
+    first = _delta("x-1", None, role=True) + _delta("x-1", "Hel") + _delta("x-1", "lo")
+    more = [
+        _delta("x-2", None, role=True)
+        + _delta("x-2", " world")
+        + _event({"choices": [{"finish_reason": "length", "index": 0, "delta": {}}], "id": "x-2"})
+        + _event({"choices": [], "id": "x-2", "model": ENGINE_MODEL, "usage": usage})
+        + DONE
+    ]
+
+    async def go() -> tuple[bytes, NoticeRunner, Scheduler]:
+        sock = tmp_path / "engine.sock"
+        engine = SeamEngine(sock, [([first], True), (more, False)])
+        server = await asyncio.start_unix_server(engine.handle, path=str(sock))
+        runner = NoticeRunner(sock)
+        scheduler = Scheduler(runner)
+        text = TextRequest(kind="chat", messages=({"role": "user"},), max_tokens=8, stream=True)
+        try:
+            r = await Relay.open(scheduler, MODEL, None, text, make)  # type: ignore[arg-type]
+            out = []
+            async for piece in r.stream():
+                out.append(piece)
+                if len(out) == 1:
+                    for watcher in list(runner.notice_watchers):
+                        watcher({"preempt": 99})  # another stream's: nothing happens
+                        watcher({"preempt": 7})
+            await asyncio.wait_for(engine.closed.wait(), 30)
+            return b"".join(out), runner, scheduler
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    return asyncio.run(go())
+
+
+def test_a_preempted_stream_goes_on_as_one_openai_stream(tmp_path: Path) -> None:
+    body, runner, scheduler = preempted(tmp_path, openai())
+    got = events(body)
+    assert got[-1] == "[DONE]"
+    chunks = got[:-1]
+    assert {c["id"] for c in chunks} == {"x-1"}  # one id across the seam
+    assert {c["model"] for c in chunks if "model" in c} == {MODEL}
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert sum("role" in d for d in deltas) == 1  # no second opening chunk
+    assert "".join(d.get("content") or "" for d in deltas) == "Hello world"
+    usage = chunks[-1]["usage"]  # the prefilled tokens count as generated
+    assert usage["prompt_tokens"] == 200 and usage["completion_tokens"] == 5
+    assert usage["total_tokens"] == 205
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 192  # min(201, 200), in blocks
+    # The continuation: the text sent as an assistant prefill, the tokens left, the ticket.
+    more = runner.opened[1]
+    assert more.messages[-1] == {"role": "assistant", "content": "Hello"}
+    assert more.resumed == 7 and more.max_tokens == 6
+    # The preempted ticket saved its slot's state; one release for the whole request.
+    assert [(c.ticket, c.resume) for c in runner.closed] == [(7, True), (8, False)]
+    assert len(scheduler.released) == 1 and not runner.notice_watchers
+
+
+def test_a_preempted_stream_goes_on_as_one_ollama_stream(tmp_path: Path) -> None:
+    body, runner, scheduler = preempted(tmp_path, ollama())
+    lines = [json.loads(line) for line in body.splitlines()]
+    assert "".join(line["message"]["content"] for line in lines) == "Hello world"
+    final = lines[-1]
+    assert final["done"] is True and final["done_reason"] == "length"
+    assert final["prompt_eval_count"] == 200 and final["eval_count"] == 5
+    assert [(c.ticket, c.resume) for c in runner.closed] == [(7, True), (8, False)]
+    assert len(scheduler.released) == 1
