@@ -16,7 +16,8 @@ cannot compile is a 400 naming the reason. Without the check the engine would ru
 request *unconstrained* (it logs the failure and samples freely). ``lenient`` lets keywords
 llguidance does not implement (``uniqueItems``, unknown ``format`` names) pass as GBNF
 did, unchecked; output whitespace is fixed (``", "`` and ``": "``), as GBNF wrote it, and
-an object with ``properties`` takes no other keys unless it says so, as GBNF read it.
+an object with ``properties`` takes no other keys unless it says so, as GBNF read it, and
+an integer with no bounds has at most 16 digits, as GBNF wrote it (``INTEGER_DIGITS``).
 
 Requests whose tools the chat template handles natively keep llama.cpp's own tool grammar
 (GBNF): the engine builds it from the template and refuses a ``grammar`` beside ``tools``.
@@ -89,6 +90,13 @@ def grammar(schema: str, param: str = "response_format") -> str:
     return text
 
 
+# llama.cpp's GBNF integer is ``-? ([0-9] | [1-9] [0-9]{0,15})``; llguidance's has no bound,
+# and a small model filling an integer field then writes digits until max_tokens
+# (pydantic-ai's City example: "population": 201100000000000000000000...).
+INTEGER_DIGITS = 16
+_INTEGER_BOUND = 10**INTEGER_DIGITS - 1
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
 _SCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
@@ -96,9 +104,10 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 
 def closed(schema: Any) -> Any:
     """``schema`` with ``additionalProperties: false`` on every object that lists
-    ``properties`` and says nothing of others: how llama.cpp's GBNF converter read such an
-    object (JSON Schema, and llguidance, would allow any other key, and a small model
-    then writes keys until ``max_tokens``)."""
+    ``properties`` and says nothing of others, and 16-digit bounds on every integer that
+    has none: how llama.cpp's GBNF converter read them (JSON Schema, and llguidance, would
+    allow any other key and any number of digits, and a small model then writes keys or
+    digits until ``max_tokens``)."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
@@ -117,6 +126,8 @@ def closed(schema: Any) -> Any:
         and "additionalProperties" not in out
     ):
         out["additionalProperties"] = False
+    if out.get("type") == "integer" and not any(key in out for key in _BOUNDS):
+        out["minimum"], out["maximum"] = -_INTEGER_BOUND, _INTEGER_BOUND
     return out
 
 

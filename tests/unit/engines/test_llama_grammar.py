@@ -92,3 +92,22 @@ def test_objects_with_properties_take_no_other_keys_as_gbnf_read_them() -> None:
     assert nested["properties"]["properties"]["additionalProperties"] is False
     assert open_["additionalProperties"] is True
     assert array["items"]["additionalProperties"] is False
+
+
+def test_integers_without_bounds_get_gbnfs_sixteen_digits() -> None:
+    """pydantic-ai's City example through the 135M model wrote "population":
+    2011000000000… until max_tokens: GBNF had bounded an integer to 16 digits, llguidance
+    does not. A bound the client set is kept."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "population": {"type": "integer"},
+            "age": {"type": "integer", "minimum": 0},
+            "ratio": {"type": "number"},
+        },
+    }
+    sent = schema_of(constrain({"messages": [], "response_format": fmt(schema)})["grammar"])
+    population, age = sent["properties"]["population"], sent["properties"]["age"]
+    assert (population["minimum"], population["maximum"]) == (-(10**16 - 1), 10**16 - 1)
+    assert age == {"type": "integer", "minimum": 0}
+    assert "maximum" not in sent["properties"]["ratio"]
