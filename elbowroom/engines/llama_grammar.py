@@ -15,7 +15,7 @@ with the llguidance library itself (a few ms, cached per schema): a schema llgui
 cannot compile is a 400 naming the reason. Without the check the engine would run such a
 request *unconstrained* (it logs the failure and samples freely). ``lenient`` lets keywords
 llguidance does not implement (``uniqueItems``, unknown ``format`` names) pass as GBNF
-did, unchecked; output whitespace is fixed (``", "`` and ``": "``), as GBNF wrote it, and
+did, unchecked; output is compact JSON (``","`` and ``":"``, a spelling GBNF allowed), and
 an object with ``properties`` takes no other keys unless it says so, as GBNF read it, and
 an integer with no bounds has at most 16 digits, as GBNF wrote it (``INTEGER_DIGITS``).
 
@@ -37,8 +37,11 @@ log = logging.getLogger(__name__)
 OPTIONS = {
     "lenient": True,
     "whitespace_flexible": False,
-    "item_separator": ", ",
-    "key_separator": ": ",
+    # Compact, one of the spellings GBNF's optional ``space`` allowed. With ", " / ": " the
+    # 135M model, greedy, never closed instructor's nested list (it wrote cities until
+    # max_tokens): after an item it wants the newline it cannot write, and ", " wins.
+    "item_separator": ",",
+    "key_separator": ":",
 }
 
 
