@@ -1,13 +1,13 @@
 """How long the body gate holds the interpreter lock on a hostile body, in pieces or whole.
 
-The body gate inspects bodies above 256 KiB in worker threads (server/limits.py); while
+The body gate inspects bodies above 256 KiB in worker threads (server/http/limits.py); while
 one C call (a translate, a replace, a decode) runs, no other thread of the server runs,
 the event loop included. Four bodies of 32 MB of 4,299-digit integers (benchmarks/
 hostile.py's attack) are inspected by four threads at once while a heartbeat thread
 wakes every millisecond; the longest gap between its wake-ups is how long /health could
 have waited on the lock. Interleaved: one call over each whole body in four threads (as
 before), ``jsonscan.inspect`` (256 KiB pieces) in four threads, and in turn, as the gate
-now runs it (one inspector thread, server/limits.py).
+now runs it (one inspector thread, server/http/limits.py).
 
     python benchmarks/body_gil.py --rounds 7   # writes results/body_gil.{json,md}
 """
@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from elbowroom.server import jsonscan
+from elbowroom.server.http import jsonscan
 
 RESULTS = Path(__file__).with_name("results")
 BODY = b'{"model": "smollm2-135m", "seed": [' + b",".join([b"7" * 4299] * 7400) + b"]}"

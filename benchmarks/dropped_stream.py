@@ -14,7 +14,7 @@ under a per-round first line):
    ``cached_tokens`` it reports.
 
 A round counts as a hit when step 3 reused the prefix (cached_tokens within two blocks of
-its prompt). Ratio = cold / hit per round. With preemption (server/resume.py) step 3 ends
+its prompt). Ratio = cold / hit per round. With preemption (server/stream/resume.py) step 3 ends
 the dropped answer's generation, takes its slot and the answer resumes on another slot;
 the resumed stream's stall (preemption to its next token) is read from the server log.
 Medians with min-max, the load average before each round.

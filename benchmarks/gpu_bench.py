@@ -576,7 +576,7 @@ def report(out: Path, headers: Path) -> list[dict[str, Any]]:
     from elbowroom.models.bundled import gguf_llm
     from elbowroom.models.engine_build import CUDA, EngineBuild
     from elbowroom.models.estimate import footprint
-    from elbowroom.models.offload import Layout, split_bytes
+    from elbowroom.scheduler.offload import Layout, split_bytes
 
     sizes = json.loads((headers / "sizes.json").read_text())
     tmp = Path(tempfile.mkdtemp(prefix="gpu-report-"))

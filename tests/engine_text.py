@@ -9,7 +9,7 @@ from typing import Any
 from elbowroom.engines.llama import translate_error
 from elbowroom.engines.llama_control import _UnixConnection
 from elbowroom.engines.requests import CloseTicket, TextRequest, TextTicket
-from elbowroom.server.relay import Answer
+from elbowroom.server.stream.relay import Answer
 
 
 def engine_answer(engine: Any, request: TextRequest) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from typing import Any
 from gpu_synth import SHAPES
 
 from elbowroom.models.gguf_meta import tensor_bytes_by_layer
-from elbowroom.models.offload import Layout
+from elbowroom.scheduler.offload import Layout
 
 FIX = Path(__file__).parent / "fixtures" / "gpu"
 VOCAB = 49152  # SmolLM2's tokenizer, which the synthetic models carry

@@ -121,8 +121,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def _pull(args: argparse.Namespace) -> int:
-    from elbowroom.models.pull import Puller
-    from elbowroom.models.pullfit import FITS, with_ctx
+    from elbowroom.pull.fit import FITS, with_ctx
+    from elbowroom.pull.puller import Puller
 
     bar: _Bar | None = None
     try:
@@ -186,7 +186,7 @@ def _plan_text(plan: Any) -> str:
 
 def cmd_rm(args: argparse.Namespace) -> int:
     from elbowroom.models.catalog import discover
-    from elbowroom.models.pull import remove_by_name
+    from elbowroom.pull.puller import remove_by_name
 
     try:
         settings = _settings(args)

@@ -140,7 +140,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         memory_guard=args.memory_guard,
         cluster=args.cluster,
     )
-    from elbowroom.server.auth import check_exposure
+    from elbowroom.server.http.auth import check_exposure
 
     any_key = bool(settings.api_key or settings.api_keys or settings.admin_key)
     refusal = check_exposure(settings.host, any_key)
@@ -210,7 +210,7 @@ async def _serve(settings: Settings, sock: socket.socket, *, as_json: bool) -> i
     # runners are always stopped below instead of the process dying first.
     previous = {s: signal.signal(s, _ignore) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        from elbowroom.server.connections import protocol_class
+        from elbowroom.server.http.connections import protocol_class
 
         app = create_app(settings, services=services)
         config = uvicorn.Config(

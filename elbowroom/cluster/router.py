@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elbowroom.cluster.placement import ClusterRefusal, NodeOption, choose
 from elbowroom.cluster.pressure import cluster_pressure
 from elbowroom.cluster.share import SHARE_SUFFIX, NodeCatalog
 from elbowroom.cluster.split import SplitError
@@ -36,6 +35,7 @@ from elbowroom.memory.types import Pressure
 from elbowroom.runtime.protocol import Runner
 from elbowroom.scheduler.events import EventLog
 from elbowroom.scheduler.loop import Scheduler
+from elbowroom.scheduler.node_placement import ClusterRefusal, NodeOption, choose
 from elbowroom.scheduler.policy import Evict, eviction_order
 from elbowroom.scheduler.records import InFlightRequest
 from elbowroom.units import format_size

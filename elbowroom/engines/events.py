@@ -1,7 +1,7 @@
 """PURE: llama.cpp's OpenAI-shaped SSE events, for an engine that has no HTTP server of its
 own (MLX) and sends its pieces over the runner instead (engines/base.py, ``open``).
 
-The server's relay (server/relay.py) reads every LLM answer in this one shape, whichever
+The server's relay (server/stream/relay.py) reads every LLM answer in this one shape, whichever
 engine made it: ``data: {chunk}`` events, a usage event and ``data: [DONE]``.
 """
 

@@ -7,7 +7,7 @@ slot count, the cache grant, the pressure check, cancellation and error translat
 
 ``open`` is the engine's only text operation: it picks and restores the request's slot,
 builds llama.cpp's request and hands back a ``TextTicket``; the server posts it to the
-engine's private socket and relays the engine's own SSE events (server/relay.py), always a
+engine's private socket and relays the engine's own SSE events (server/stream/relay.py), always a
 stream on the engine side, also for clients that did not stream. Closing that connection
 cancels the generation (client gone, hard-pressure abort); ``close`` gives the slot back.
 """
@@ -92,7 +92,7 @@ class LlamaEngine:
         self._next_ticket = 0
         # Requests relayed from the engine's socket, in all and by what the relay rewrites.
         self._socket_streams = {"all": 0, "logprobs": 0, "emulated_tools": 0, "transcript": 0}
-        # Preempt and resume (server/resume.py): ticket -> slot of the relayed streams that
+        # Preempt and resume (server/stream/resume.py): ticket -> slot of the relayed streams that
         # may be preempted, and how the runner tells the server (set by the worker).
         self._resumable: dict[int, int] = {}
         self.notify: Callable[[dict[str, Any]], None] | None = None
@@ -330,7 +330,7 @@ class LlamaEngine:
             return {"closed": False}
         control = self._control
         if closing.resume and control is not None:
-            # Preempted: its continuation restores this state (server/resume.py), so it is
+            # Preempted: its continuation restores this state (server/stream/resume.py), so it is
             # saved now (the engine's save waits for the cancelled generation to stop),
             # before the slot goes to the request waiting for its prefix.
             assert self._slot_pool is not None
@@ -353,7 +353,7 @@ class LlamaEngine:
     def _preempt(self, slot: int) -> bool:
         """End the generation on ``slot`` for a request that needs its prefix (Slots.acquire
         calls this): when a resumable relayed stream holds it and is past its prefill, the
-        server is told to close it and resume it elsewhere (server/resume.py). False: the
+        server is told to close it and resume it elsewhere (server/stream/resume.py). False: the
         slot is not preemptible; the request waits for it or recomputes."""
         notify = self.notify
         with self._lock:
@@ -531,7 +531,7 @@ def _load_error(model: str, log_text: str, n_ctx: int, slots: int, kv: str) -> E
 
 def resumable(request: TextRequest) -> bool:
     """Whether a relayed stream may be preempted and resumed as a continuation
-    (server/resume.py): a plain streamed text answer. Never a cache-isolated request (its
+    (server/stream/resume.py): a plain streamed text answer. Never a cache-isolated request (its
     slot shares nothing), one resumed already (it must finish), nor tools or a
     response_format (the continuation would restart the grammar mid-object)."""
     return (

@@ -3,7 +3,7 @@
 llama.cpp turns ``response_format`` into a grammar in one of two ways. Its chat endpoint
 converts the schema to GBNF, and the GBNF sampler keeps one parse stack per open
 alternative; its setup and every token's check run on the engine's one loop that all
-slots share. Inside the schema bounds (``server/schema_limits.py``) a 21-byte
+slots share. Inside the schema bounds (``server/http/schema_limits.py``) a 21-byte
 ``{"type": "string", "pattern": "^((a?){0,32}){0,32}$"}`` still held another slot's
 2-token chat for 16 s (SmolLM2, 1 thread), and ``{0,1024}`` nested three deep never let
 it go. The same engine also runs llguidance grammars (``%llguidance``: a lazy lexer and an

@@ -162,7 +162,7 @@ class Slots:
 
         With ``preempt`` set, such a slot's generation is ended at once instead, when that
         saves at least MIN_PREEMPT_S of recompute: its stream resumes on another slot
-        (server/resume.py), and the slot is claimed for this request, so the resumed one
+        (server/stream/resume.py), and the slot is claimed for this request, so the resumed one
         cannot take it back. ``resumed``: that resumed stream itself: it takes the best free
         slot at once (never waits, never preempts).
         """
@@ -284,7 +284,7 @@ class Slots:
         except (OSError, RuntimeError, ValueError) as exc:
             log.warning("could not erase slot %d after an isolated request: %s", slot, exc)
 
-    # ---- a preempted stream's state (server/resume.py) ----------------------------------
+    # ---- a preempted stream's state (server/stream/resume.py) ----------------------------------
 
     def save_state(self, slot: int, name: str) -> bool:
         """``slot``'s state into the private slot folder as ``name`` (the engine's slot save

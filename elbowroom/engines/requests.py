@@ -1,12 +1,12 @@
 """PURE: the typed requests the server hands an engine, across the runner pipe.
 
 Every body is validated once, in the server, and turned into one of these objects:
-- ``TextRequest`` (open): the server's schemas (server/schemas.py), built
+- ``TextRequest`` (open): the server's schemas (server/openai/schemas.py), built
   in one place (``server/text_calls.engine_request``, which also applies the one
   ``max_tokens`` clamp); the LLM engine translates it into llama.cpp's request
   (engines/llama.py ``_body``);
-- ``TranscribeRequest`` (transcribe): the upload form, checked in server/audio_routes.py;
-- ``SpeechRequest`` (speech): the speech body (server/audio_routes.py);
+- ``TranscribeRequest`` (transcribe): the upload form, checked in server/openai/audio_routes.py;
+- ``SpeechRequest`` (speech): the speech body (server/openai/audio_routes.py);
 - ``EmbedRequest`` (embed): ``server/embeddings_routes.check_inputs``, for OpenAI's and
   Ollama's routes.
 An engine checks nothing the server checked: it takes its own type (``expect``) and only
@@ -54,7 +54,7 @@ class TextRequest:
     logprobs: int | None = None
     isolated: bool = False  # cache_salt: shares no KV state with any other request
     stream: bool = False  # the client's wish (the engine always streams to the relay)
-    # A preempted stream's continuation (server/resume.py): the ticket it continues; 0: none.
+    # A preempted stream's continuation (server/stream/resume.py): the ticket it continues; 0: none.
     resumed: int = 0
 
 
@@ -124,7 +124,7 @@ class SpeechRequest:
 @dataclass(frozen=True, kw_only=True)
 class EmbedRequest:
     """Text embeddings: 1..max_embedding_inputs strings, each with text, or token-id arrays
-    in the model's own tokenizer (the engine decodes them; server/token_inputs.py)."""
+    in the model's own tokenizer (the engine decodes them; server/openai/token_inputs.py)."""
 
     inputs: tuple[str | tuple[int, ...], ...]
 

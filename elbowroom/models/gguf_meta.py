@@ -90,7 +90,7 @@ class _Bad(ValueError):
 
 class HeaderShort(_Bad):
     """The bytes end inside the header: a truncated file, or a header read in part (a
-    remote fit check reads more and tries again: models/remote_gguf.py)."""
+    remote fit check reads more and tries again: pull/remote_gguf.py)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ What a projector costs, on top of the text model (``extra_footprint``):
   warm-up encodes one full-size image at load, so part of it is there before any request;
 - the image tokens' KV: llama.cpp allocates the whole context's KV at load, so image
   tokens take context, not extra bytes; a request whose images cannot fit the context is
-  refused before decoding (server/images.py).
+  refused before decoding (server/openai/images.py).
 
 The gate (``gate``): a vision model whose footprint exceeds ``vision_gate`` of its pool's
 limit (default 0.70, the seed's figure: vision models died in Metal above ~73 % while text

@@ -20,10 +20,10 @@ Closing the generator (``aclose``; the relay always does) ends everything: the e
 connection or the runner request, then ``close`` gives the slot back (shielded). The
 engine's prefill timings ride on that ``close`` to the cache's cost model.
 
-``preemptible`` (a resumable stream, server/resume.py): the runner's notice
+``preemptible`` (a resumable stream, server/stream/resume.py): the runner's notice
 ``{"preempt": ticket}`` closes the engine connection, ``close`` asks the engine to save the
 slot's state first (``CloseTicket.resume``), and the generator raises ``Preempted``; the
-relay then opens the continuation (server/relay.py ``Relay._blocks``).
+relay then opens the continuation (server/stream/relay.py ``Relay._blocks``).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ TIMING_KEYS = ("cache_n", "prompt_n", "prompt_ms", "predicted_n", "predicted_ms"
 
 class Preempted(EngineError):
     """The engine took this stream's slot for a request that needs its prefix; its state is
-    saved for the continuation (server/resume.py)."""
+    saved for the continuation (server/stream/resume.py)."""
 
     def __init__(self, ticket: int, at: float) -> None:
         super().__init__(f"ticket {ticket} was preempted")
@@ -267,7 +267,7 @@ class EngineConnection:
                 self.writer.transport.abort()
 
     def on_notice(self, data: dict[str, Any]) -> None:
-        """The engine preempts this stream (server/resume.py): end the engine connection;
+        """The engine preempts this stream (server/stream/resume.py): end the engine connection;
         the read breaks with ``Preempted``."""
         if data.get("preempt") == self.ticket.ticket and not self.finished and not self.aborted:
             self.aborted = "preempt"

@@ -330,7 +330,7 @@ class Supervisor(RunnerStatus):
 
     def watch_notices(self, watcher: Callable[[dict[str, Any]], None]) -> Callable[[], None]:
         """Call ``watcher(data)`` on every notice the engine sends unasked (a preempted relayed
-        stream: server/resume.py) until the returned function is called."""
+        stream: server/stream/resume.py) until the returned function is called."""
         self._notice_watchers.add(watcher)
         return lambda: self._notice_watchers.discard(watcher)
 

@@ -128,7 +128,9 @@ class _Worker:
         self.outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.level = level
         self.loaded = threading.Event()
-        if hasattr(engine, "notify"):  # the engine's notices to the server (server/resume.py)
+        if hasattr(
+            engine, "notify"
+        ):  # the engine's notices to the server (server/stream/resume.py)
             engine.notify = self._notice
 
     def serve(self, spec: ModelSpec, options: EngineOptions) -> int:

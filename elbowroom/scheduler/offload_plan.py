@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 from elbowroom.config import Settings
 from elbowroom.memory.pools import Pool
 from elbowroom.models.estimate import context_cap, kv_bytes_per_token
-from elbowroom.models.offload import Layout
 from elbowroom.models.spec import Footprint, ModelSpec
+from elbowroom.scheduler.offload import Layout
 from elbowroom.scheduler.placement import GpuRoom, Placement, gpu_context, place, unified
 from elbowroom.scheduler.policy import LoadRequest, State
 from elbowroom.scheduler.sizing import Plan

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from elbowroom.engines.options import Offload
 from elbowroom.memory.pools import gpu_pool_name
 from elbowroom.models.estimate import CTX_STEP
-from elbowroom.models.offload import Layout, OffloadBytes, split_bytes
+from elbowroom.scheduler.offload import Layout, OffloadBytes, split_bytes
 from elbowroom.units import format_size
 
 __all__ = ["GpuRoom", "Placement", "gpu_context", "place", "unified"]

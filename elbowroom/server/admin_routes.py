@@ -25,7 +25,7 @@ class LoadRequest(BaseModel):
 @router.get("/elbowroom/models")
 async def models(request: Request) -> dict[str, Any]:
     """Every model the catalog serves, and the files it skipped with the reason."""
-    from elbowroom.server.openai_routes import model_card
+    from elbowroom.server.openai.routes import model_card
 
     catalog = get_services(request).catalog
     return {

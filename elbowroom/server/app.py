@@ -18,26 +18,22 @@ from fastapi import FastAPI
 from elbowroom import __version__
 from elbowroom.config import Settings
 from elbowroom.errors import ElbowroomError
-from elbowroom.guard.admission import AdmissionMiddleware
 from elbowroom.memory.process import ServerBytes
 from elbowroom.memory.types import Probe
-from elbowroom.server import (
-    admin_routes,
-    audio_routes,
-    dashboard_routes,
-    embeddings_routes,
-    metrics,
-    ollama_routes,
-    openai_routes,
-    pull_routes,
-    responses_routes,
-)
-from elbowroom.server.auth import ApiKeyMiddleware, Keys
+from elbowroom.server import admin_routes
+from elbowroom.server.dashboard import routes as dashboard_routes
 from elbowroom.server.deps import Services
 from elbowroom.server.errors import install_error_handlers
-from elbowroom.server.limits import BodyGate
-from elbowroom.server.metrics import MetricsMiddleware
-from elbowroom.server.origin import OriginMiddleware, OriginPolicy
+from elbowroom.server.http import metrics
+from elbowroom.server.http.admission import AdmissionMiddleware
+from elbowroom.server.http.auth import ApiKeyMiddleware, Keys
+from elbowroom.server.http.limits import BodyGate
+from elbowroom.server.http.metrics import MetricsMiddleware
+from elbowroom.server.http.origin import OriginMiddleware, OriginPolicy
+from elbowroom.server.ollama import pull_routes
+from elbowroom.server.ollama import routes as ollama_routes
+from elbowroom.server.openai import audio_routes, embeddings_routes, responses_routes
+from elbowroom.server.openai import routes as openai_routes
 
 log = logging.getLogger("elbowroom.server")
 

@@ -12,7 +12,7 @@ The wall-clock speed-up (≥30x over cold) is a benchmark's claim
 (benchmarks/dropped_stream.py); this test asserts the reuse itself: ``cached_tokens``.
 
 A bounded wait for the busy slot reused the prefix only when the dropped answer ended
-within the prefill's estimated time; preempt and resume (server/resume.py) ends that
+within the prefill's estimated time; preempt and resume (server/stream/resume.py) ends that
 answer's generation for the request that needs its prefix and continues it on another slot,
 so the prefix is reused however long the answer runs — and a client that was only reading
 slowly still gets its whole answer, unchanged.

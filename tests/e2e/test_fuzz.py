@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from serverproc import ServerFactory, ServerProcess
 
-from elbowroom.server.ollama_paths import is_ollama_path
+from elbowroom.server.http.ollama_paths import is_ollama_path
 
 ADMIN = {"Authorization": "Bearer fuzz-admin"}
 EXAMPLES = 10  # per operation (13 operations): valid and invalid cases mixed

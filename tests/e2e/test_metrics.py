@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from serverproc import ServerFactory, ServerProcess, wait_for
 
-from elbowroom.server.metrics import kv_hits, kv_stats
+from elbowroom.server.http.metrics import kv_hits, kv_stats
 
 MODEL = "smollm2-135m"
 HI = [{"role": "user", "content": "Say hello."}]

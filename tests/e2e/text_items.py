@@ -11,7 +11,7 @@ from typing import Any
 
 from elbowroom.engines.requests import TextRequest, TextTicket
 from elbowroom.runtime.engine_events import text_events
-from elbowroom.server.relay import Answer, parse_events
+from elbowroom.server.stream.relay import Answer, parse_events
 
 
 async def text_items(runner: Any, request: TextRequest) -> AsyncIterator[dict[str, Any]]:

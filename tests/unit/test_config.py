@@ -89,7 +89,7 @@ def test_event_loop_choice() -> None:
 
 
 def test_a_removed_setting_is_refused_naming_why(tmp_path: Path) -> None:
-    """direct_streams chose between two request paths; there is one now (server/relay.py).
+    """direct_streams chose between two request paths; there is one now (server/stream/relay.py).
     A config that still names it learns that, wherever it is set."""
     toml = tmp_path / "config.toml"
     toml.write_text("direct_streams = false\n")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from elbowroom.cluster.placement import ClusterRefusal, NodeOption, choose
 from elbowroom.cluster.pressure import cluster_pressure
 from elbowroom.memory.types import Pressure
 from elbowroom.models.spec import Holding, ModelKind
+from elbowroom.scheduler.node_placement import ClusterRefusal, NodeOption, choose
 from elbowroom.scheduler.policy import (
     Admit,
     Evict,
@@ -202,7 +202,7 @@ def test_one_machine_never_imports_ray() -> None:
     code = (
         "import sys, elbowroom.cli, elbowroom.server.app, elbowroom.config as c;"
         "c.load_settings(environ={});"
-        "import elbowroom.cluster.placement, elbowroom.cluster.split, elbowroom.cluster.rpc;"
+        "import elbowroom.scheduler.node_placement, elbowroom.cluster.split, elbowroom.cluster.rpc;"
         "assert 'ray' not in sys.modules, 'ray was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -26,7 +26,7 @@ from elbowroom.engines.options import LlamaOptions
 from elbowroom.engines.requests import CloseTicket, EmbedRequest, TextRequest, TextTicket
 from elbowroom.errors import BadRequest, ContextOverflow, MemoryPressure
 from elbowroom.models.spec import ModelSpec
-from elbowroom.server.relay import Answer
+from elbowroom.server.stream.relay import Answer
 
 N_CTX = 512
 SLOTS = 2

@@ -167,7 +167,7 @@ def test_a_prompt_whose_slot_is_busy_waits_for_it_rather_than_recomputing() -> N
 
 
 def test_a_busy_slot_holding_a_long_prefix_is_preempted_and_claimed() -> None:
-    """Preempt and resume (server/resume.py): the slot whose stream holds the prefix is
+    """Preempt and resume (server/stream/resume.py): the slot whose stream holds the prefix is
     preempted at once (no wait for its answer to end), claimed for the request that needs
     it — the preempted stream's continuation, arriving meanwhile, takes another slot — and
     the continuation itself never waits nor preempts. A slot whose holder cannot be

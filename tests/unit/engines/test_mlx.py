@@ -17,7 +17,7 @@ from elbowroom.engines.requests import TextRequest, TextTicket
 from elbowroom.errors import BadRequest, ContextOverflow, EngineError, MemoryPressure
 from elbowroom.models.catalog import _mlx_model
 from elbowroom.models.spec import ModelSpec
-from elbowroom.server.relay import Answer, parse_events
+from elbowroom.server.stream.relay import Answer, parse_events
 
 if (why := have_mlx()) is not None:
     pytest.skip(why, allow_module_level=True)

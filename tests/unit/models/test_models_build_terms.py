@@ -25,7 +25,8 @@ from elbowroom.models.engine_build import (
     engine_build,
     needed_libraries,
 )
-from elbowroom.models.offload import (
+from elbowroom.models.spec import GGUFInfo, Holding, ModelKind, ModelSpec
+from elbowroom.scheduler.offload import (
     CUBLAS_HOST_ANON,
     CUBLAS_HOST_FILE,
     CUBLAS_VRAM,
@@ -35,7 +36,6 @@ from elbowroom.models.offload import (
     needs_cublas,
     split_bytes,
 )
-from elbowroom.models.spec import GGUFInfo, Holding, ModelKind, ModelSpec
 from elbowroom.units import MiB
 
 FIXTURE = json.loads(

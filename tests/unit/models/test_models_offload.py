@@ -11,7 +11,7 @@ from gpu_layouts import calib, recorded, shape, synth_layout
 
 from elbowroom.models.accuracy import check
 from elbowroom.models.gguf_meta import read_gguf_info, tensor_bytes_by_layer
-from elbowroom.models.offload import SPLIT_FIRST_EXTRA, UBATCH, Layout, split_bytes, unit_devices
+from elbowroom.scheduler.offload import SPLIT_FIRST_EXTRA, UBATCH, Layout, split_bytes, unit_devices
 from elbowroom.units import MiB
 
 VOCAB = 49152

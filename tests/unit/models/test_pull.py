@@ -26,7 +26,8 @@ from vision_gguf import write_projector
 from elbowroom.config import Settings, load_settings
 from elbowroom.errors import BadRequest, InsufficientMemory
 from elbowroom.models.catalog import discover
-from elbowroom.models.pull import (
+from elbowroom.pull.fit import FITS, FITS_AT_CTX
+from elbowroom.pull.puller import (
     ChecksumMismatch,
     GatedRepo,
     HubUnreachable,
@@ -40,7 +41,6 @@ from elbowroom.models.pull import (
     quant_of,
     remove_by_name,
 )
-from elbowroom.models.pullfit import FITS, FITS_AT_CTX
 from elbowroom.units import MiB
 
 SMOL = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -442,7 +442,7 @@ def test_header_reads_grow_by_doubling(hub: FakeHub, gemma_settings: Settings | 
     262,144-token vocabulary in 8 MiB (4 requests); each read only asks for what is new."""
     from huggingface_hub import get_session
 
-    from elbowroom.models.remote_gguf import RangeReader
+    from elbowroom.pull.remote_gguf import RangeReader
 
     blobs = [("smollm2", hub.repos["test/SmolLM2-GGUF"].files[SMOL], 2 * MiB, 2)]
     if gemma_settings is not None:

@@ -29,7 +29,7 @@ from elbowroom.models.spec import ModelSpec
 from elbowroom.runtime.engine_events import text_events
 from elbowroom.runtime.protocol import Runner, RunnerState
 from elbowroom.runtime.supervisor import Supervisor, describe_exit, spawn_worker
-from elbowroom.server.relay import Answer, parse_events
+from elbowroom.server.stream.relay import Answer, parse_events
 
 T = TypeVar("T")
 SETTINGS = Settings(load_timeout=120.0, stop_grace=5.0)

@@ -11,7 +11,7 @@ from elbowroom.engines.options import Offload
 from elbowroom.memory.budget import BudgetConfig
 from elbowroom.memory.pools import memory_pools
 from elbowroom.memory.types import GpuMemory, Snapshot
-from elbowroom.models.offload import split_bytes
+from elbowroom.scheduler.offload import split_bytes
 from elbowroom.scheduler.placement import GpuRoom, gpu_context, place, unified
 from elbowroom.units import GiB, MiB
 

@@ -27,10 +27,10 @@ from elbowroom.engines.options import EngineOptions, LlamaOptions, Offload
 from elbowroom.errors import InsufficientMemory
 from elbowroom.memory.types import GpuMemory, Snapshot
 from elbowroom.models.gguf_meta import tensor_bytes_by_layer
-from elbowroom.models.offload import Layout, split_bytes
 from elbowroom.models.spec import GGUFInfo, Holding, ModelKind, ModelSpec
 from elbowroom.runtime.protocol import ExitCallback, RunnerState
 from elbowroom.scheduler.loop import Scheduler
+from elbowroom.scheduler.offload import Layout, split_bytes
 from elbowroom.units import GiB, MiB
 
 GPU_TOTAL = 8 * GiB  # ceiling: 0.85 x (8 GiB - 512 MiB reserve) = 6.375 GiB

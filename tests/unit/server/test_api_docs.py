@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from elbowroom.server.schemas import ChatCompletionRequest, CompletionRequest, StreamOptions
+from elbowroom.server.openai.schemas import ChatCompletionRequest, CompletionRequest, StreamOptions
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "api.md"
 

@@ -21,12 +21,12 @@ from elbowroom.config import Settings
 from elbowroom.engines.requests import SpeechRequest, TranscribeRequest
 from elbowroom.errors import BadRequest, ModelNotFound, PayloadTooLarge
 from elbowroom.models.spec import Holding, ModelKind, ModelSpec
-from elbowroom.server import transcript_formats as tf
 from elbowroom.server.app import create_app
 from elbowroom.server.deps import Services
-from elbowroom.server.metrics import METRICS
-from elbowroom.server.model_calls import TRANSCRIPTION_ALIASES, resolve_model
-from elbowroom.server.uploads import receive_form
+from elbowroom.server.http.metrics import METRICS
+from elbowroom.server.http.uploads import receive_form
+from elbowroom.server.openai import transcript_formats as tf
+from elbowroom.server.stream.model_calls import TRANSCRIPTION_ALIASES, resolve_model
 
 BOUNDARY = "elbowroomtestboundary"
 

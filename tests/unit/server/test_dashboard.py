@@ -16,7 +16,7 @@ from elbowroom.memory.budget import Limit
 from elbowroom.memory.monitor import Sample
 from elbowroom.memory.types import Pressure, Snapshot
 from elbowroom.scheduler.events import EventLog
-from elbowroom.server import dashboard_state
+from elbowroom.server.dashboard import state as dashboard_state
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -20,8 +20,8 @@ from elbowroom.errors import ModelNotFound
 from elbowroom.models.spec import Holding, ModelKind, ModelSpec
 from elbowroom.server.app import create_app
 from elbowroom.server.deps import Services
-from elbowroom.server.embeddings_routes import encode_base64
-from elbowroom.server.metrics import METRICS
+from elbowroom.server.http.metrics import METRICS
+from elbowroom.server.openai.embeddings_routes import encode_base64
 
 VECTORS = [[0.6, 0.8, 0.0], [0.1, -0.2, 0.3]]
 

@@ -18,10 +18,10 @@ from server_fakes import Harness, http_scope
 from vision_gguf import inflating_png
 
 from elbowroom.errors import BadRequest, PayloadTooLarge
-from elbowroom.server import images
 from elbowroom.server.deps import parse_keep_alive
-from elbowroom.server.jsonscan import Limits, inspect
-from elbowroom.server.schema_limits import check_schemas
+from elbowroom.server.http.jsonscan import Limits, inspect
+from elbowroom.server.http.schema_limits import check_schemas
+from elbowroom.server.openai import images
 
 MODEL = "smollm2-135m"
 HI = [{"role": "user", "content": "hi"}]
@@ -312,7 +312,7 @@ def test_a_jpeg_of_thousands_of_scans_is_refused() -> None:
 def test_a_requests_images_together_are_bounded() -> None:
     from PIL import Image
 
-    from elbowroom.server.chat_schemas import ChatMessage
+    from elbowroom.server.openai.chat_schemas import ChatMessage
 
     buf = io.BytesIO()
     Image.new("RGB", (1000, 1000)).save(buf, "PNG")

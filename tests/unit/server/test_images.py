@@ -1,4 +1,4 @@
-"""Image checks before decoding (server/images.py): sizes, bombs, formats, URLs, context."""
+"""Image checks before decoding (server/openai/images.py): sizes, bombs, formats, URLs, context."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from elbowroom.config import Settings
 from elbowroom.errors import BadRequest, ContextOverflow, PayloadTooLarge
 from elbowroom.models.spec import ModelSpec
 from elbowroom.models.vision import read_projector
-from elbowroom.server import images
-from elbowroom.server.chat_schemas import ChatMessage
+from elbowroom.server.openai import images
+from elbowroom.server.openai.chat_schemas import ChatMessage
 
 LIMITS = images.ImageLimits(
     max_images=2, max_bytes=64 * 1024, max_pixels=1000 * 1000, hosts=frozenset()

@@ -2,7 +2,7 @@
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from elbowroom.server.metrics import ScrapeState, render
+from elbowroom.server.http.metrics import ScrapeState, render
 
 
 def test_mlx_memory_gauges() -> None:

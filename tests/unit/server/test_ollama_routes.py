@@ -227,7 +227,7 @@ def test_models_ps_version_and_form_encoded_bodies(harness: Harness) -> None:
 
 
 def test_ollama_requests_are_counted_and_timed(harness: Harness) -> None:
-    from elbowroom.server.metrics import METRICS
+    from elbowroom.server.http.metrics import METRICS
 
     def count() -> float:
         samples = METRICS.requests.collect()[0].samples
@@ -247,7 +247,7 @@ def test_ollama_requests_are_counted_and_timed(harness: Harness) -> None:
 def test_embed_options_null_are_unset() -> None:
     """langchain-ollama's OllamaEmbeddings sends every option, null: unset, not a 400
     (issue 21); an option with a value still means nothing for embeddings."""
-    from elbowroom.server.ollama_routes import _embed_options
+    from elbowroom.server.ollama.routes import _embed_options
 
     _embed_options({"mirostat": None, "top_k": None, "temperature": None, "num_ctx": None})
     with pytest.raises(BadRequest, match="no meaning for embeddings"):

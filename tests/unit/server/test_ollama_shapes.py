@@ -13,10 +13,10 @@ from server_fakes import spec
 
 from elbowroom.errors import BadRequest, InsufficientMemory
 from elbowroom.models.spec import Holding, ModelKind, ModelSpec
-from elbowroom.server import ollama_models as views
-from elbowroom.server import ollama_shapes as shapes
-from elbowroom.server.ollama_paths import error_body, strip_tag
-from elbowroom.server.schemas import ChatCompletionRequest
+from elbowroom.server.http.ollama_paths import error_body, strip_tag
+from elbowroom.server.ollama import models as views
+from elbowroom.server.ollama import shapes
+from elbowroom.server.openai.schemas import ChatCompletionRequest
 
 
 def test_options_map_onto_openai_fields() -> None:
@@ -129,7 +129,7 @@ def test_images_become_image_parts() -> None:
         {"model": "m", "messages": [{"role": "user", "content": "?", "images": ["aGk="]}]}
     )
     content = shapes.chat_to_openai(chat)["messages"][0]["content"]
-    # The media type is set by server/images.py once the bytes are checked.
+    # The media type is set by server/openai/images.py once the bytes are checked.
     assert content == [
         {"type": "text", "text": "?"},
         {"type": "image_url", "image_url": {"url": "data:image/*;base64,aGk="}},

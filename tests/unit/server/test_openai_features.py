@@ -13,7 +13,7 @@ import pytest
 from server_fakes import Harness
 
 from elbowroom.engines.requests import TextRequest
-from elbowroom.server.schemas import SEED_MODULUS
+from elbowroom.server.openai.schemas import SEED_MODULUS
 
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 WEATHER = {

@@ -1,4 +1,4 @@
-"""The one LLM request path (server/relay.py, runtime/engine_events.py) against a scripted
+"""The one LLM request path (server/stream/relay.py, runtime/engine_events.py) against a scripted
 engine on a real Unix socket: the rewriters (OpenAI byte for byte, logprobs, emulated tool
 calls, a transcript chat, Ollama NDJSON), chunk boundaries, errors before and after the
 first token, and one release whatever ends the request: the engine connection closed, the
@@ -18,9 +18,9 @@ import pytest
 
 from elbowroom.engines.requests import CloseTicket, Payload, TextRequest, TextTicket
 from elbowroom.errors import ContextOverflow
-from elbowroom.server.ollama_reply import Reply, Timing
-from elbowroom.server.relay import OllamaRewriter, OpenAIRewriter, Relay, Rewriter
-from elbowroom.server.shapes import Envelope, Logprobs
+from elbowroom.server.ollama.reply import Reply, Timing
+from elbowroom.server.openai.shapes import Envelope, Logprobs
+from elbowroom.server.stream.relay import OllamaRewriter, OpenAIRewriter, Relay, Rewriter
 
 ENGINE_MODEL = "/models/SmolLM2.gguf"
 MODEL = "smollm2-135m"
@@ -497,7 +497,7 @@ def test_ollama_generate_collected_with_emulated_calls(tmp_path: Path) -> None:
     assert released_once(run)
 
 
-# ---- preempt and resume: the continuation spliced in (server/resume.py) ---------------------
+# ---- preempt and resume: the continuation spliced in (server/stream/resume.py) -----------
 
 
 def _delta(sid: str, content: str | None, role: bool = False) -> bytes:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from elbowroom.server.responses_store import ResponseStore, new_id
+from elbowroom.server.openai.responses_store import ResponseStore, new_id
 
 
 class Clock:

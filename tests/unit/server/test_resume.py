@@ -1,4 +1,4 @@
-"""The preempted stream's side of preempt and resume (server/resume.py): what the client
+"""The preempted stream's side of preempt and resume (server/stream/resume.py): what the client
 already has becomes the continuation's prefill, and the continuation's events and usage
 read as the same stream's."""
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from elbowroom.engines.llama import resumable
 from elbowroom.engines.requests import TextRequest
-from elbowroom.server.resume import Resume, sent_text
+from elbowroom.server.stream.resume import Resume, sent_text
 
 
 def event(chunk: dict[str, Any]) -> bytes:

@@ -10,8 +10,8 @@ import pytest
 from server_fakes import Harness
 
 from elbowroom.errors import BadRequest
-from elbowroom.server.auth import check_exposure, is_loopback
 from elbowroom.server.deps import parse_keep_alive
+from elbowroom.server.http.auth import check_exposure, is_loopback
 
 
 def test_health(harness: Harness) -> None:

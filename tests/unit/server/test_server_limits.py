@@ -17,10 +17,10 @@ from starlette.testclient import TestClient
 from elbowroom.config import Settings
 from elbowroom.errors import EngineError
 from elbowroom.models.spec import GGUFInfo
-from elbowroom.server import jsonscan
 from elbowroom.server.app import create_app
 from elbowroom.server.deps import Services
-from elbowroom.server.jsonscan import Limits, inspect, min_tokens, scan
+from elbowroom.server.http import jsonscan
+from elbowroom.server.http.jsonscan import Limits, inspect, min_tokens, scan
 
 LIMITS = Limits(
     max_values=1000, max_depth=8, max_chars=10_000, max_messages=10, max_stop=4, max_stop_chars=8
@@ -269,7 +269,7 @@ def test_large_bodies_are_inspected_one_at_a_time(
     holds up: /health waited up to ~300 ms. A second large body now waits its turn."""
     import threading
 
-    from elbowroom.server import limits
+    from elbowroom.server.http import limits
 
     active, most = [0], [0]
     turn = threading.Condition()
@@ -349,7 +349,7 @@ def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing(
 
 
 def test_context_ceiling_follows_sizing() -> None:
-    from elbowroom.server.limits import context_ceiling
+    from elbowroom.server.http.limits import context_ceiling
 
     info = llm_with_vocab(2048, 16).gguf
     assert context_ceiling(info, Settings()) == (2048, "the model's trained context")

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 from server_fakes import Harness
 
-from elbowroom.server.origin import OriginPolicy, split_host
+from elbowroom.server.http.origin import OriginPolicy, split_host
 
 CHAT = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "x"}]}
 

@@ -9,7 +9,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.completion_choice import Logprobs as CompletionLogprobs
 
-from elbowroom.server.shapes import Envelope, Logprobs
+from elbowroom.server.openai.shapes import Envelope, Logprobs
 
 USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "cached_tokens": 2}
 CALL = {
