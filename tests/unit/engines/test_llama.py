@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -18,15 +17,15 @@ import psutil
 import pytest
 import xllamacpp  # noqa: F401  (a hard dependency: a broken install fails, never skips)
 from bundled_models import bundled_spec
+from engine_text import engine_run, no_emit
 
 from elbowroom.config import Settings
-from elbowroom.engines.llama import FALLBACK_STOPS, LlamaEngine, _fallback_prompt, translate_error
+from elbowroom.engines.llama import FALLBACK_STOPS, LlamaEngine, _fallback_prompt
 from elbowroom.engines.llama_control import _UnixConnection
 from elbowroom.engines.options import LlamaOptions
-from elbowroom.engines.requests import CloseTicket, EmbedRequest, TextRequest, TextTicket
+from elbowroom.engines.requests import EmbedRequest, TextRequest
 from elbowroom.errors import BadRequest, ContextOverflow, MemoryPressure
 from elbowroom.models.spec import ModelSpec
-from elbowroom.server.stream.relay import Answer
 
 N_CTX = 512
 SLOTS = 2
@@ -67,55 +66,7 @@ def normal_pressure(pressure: Pressure) -> None:
     pressure.level = 0
 
 
-def run(
-    engine: LlamaEngine,
-    request: TextRequest,
-    cancel_after: int | None = None,
-    on_piece: Callable[[str], None] | None = None,
-) -> tuple[dict[str, Any], list[str]]:
-    """``open``, then the engine's own events read from its socket (as the server's relay
-    reads them; stopping early closes the connection), then ``close``."""
-    ticket = engine.run("open", request, no_emit, lambda: False)["ticket"]
-    assert isinstance(ticket, TextTicket) and ticket.socket is not None
-    deltas: list[str] = []
-    answer = Answer("m", chat_events=request.kind == "chat" and not ticket.transcript, block=1)
-    cancelled = False
-    timings: dict[str, Any] | None = None  # the last chunk's: an answer that ended whole
-    conn = _UnixConnection(ticket.socket, 300)
-    try:
-        headers = {"Authorization": f"Bearer {ticket.key}", "Content-Type": "application/json"}
-        conn.request("POST", ticket.path, body=json.dumps(ticket.body), headers=headers)
-        response = conn.getresponse()
-        if response.status != 200:
-            err = json.loads(response.read()).get("error") or {}
-            raise translate_error({"code": response.status, **err})
-        for line in response:
-            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if isinstance(chunk.get("timings"), dict):
-                timings = chunk["timings"]
-            piece = answer.take(chunk)
-            if piece.text:
-                deltas.append(piece.text)
-                if on_piece is not None:
-                    on_piece(piece.text)
-            if cancel_after is not None and len(deltas) >= cancel_after:
-                cancelled = True
-                break
-    finally:
-        conn.close()  # the engine cancels a generation whose reader left
-        # as the relay does: timings for a whole answer, none for one that ended early
-        closing = CloseTicket(ticket.ticket, None if cancelled else timings)
-        engine.run("close", closing, no_emit, lambda: False)
-    result = answer.result(emulated=ticket.emulated_tools)
-    if cancelled:
-        result["finish_reason"] = "cancelled"
-    return result, deltas
-
-
-def no_emit(_item: dict[str, Any]) -> None:
-    raise AssertionError("the llama engine emits nothing over the pipe")
+run = engine_run  # open, the engine's socket, close: as the relay reads it
 
 
 def chat(text: str, max_tokens: int, temperature: float = 0.0, **kw: Any) -> TextRequest:
