@@ -10,12 +10,13 @@ it go. The same engine also runs llguidance grammars (``%llguidance``: a lazy le
 Earley parser with a fuel limit per token): there both schemas cost what a plain request
 costs.
 
-So the runner sends every schema as a ``grammar`` in llguidance's form, after checking it
+So the runner sends every *costly* schema (a ``pattern``, a length or count bound, a
+``format``: ``COSTLY``) as a ``grammar`` in llguidance's form, after checking it
 with the llguidance library itself (a few ms, cached per schema): a schema llguidance
 cannot compile is a 400 naming the reason. Without the check the engine would run such a
 request *unconstrained* (it logs the failure and samples freely). ``lenient`` lets keywords
 llguidance does not implement (``uniqueItems``, unknown ``format`` names) pass as GBNF
-did, unchecked; output is compact JSON (``","`` and ``":"``, a spelling GBNF allowed), and
+did, unchecked; output whitespace is fixed (``", "`` and ``": "``), as GBNF wrote it, and
 an object with ``properties`` takes no other keys unless it says so, as GBNF read it, and
 an integer with no bounds has at most 16 digits, as GBNF wrote it (``INTEGER_DIGITS``).
 
@@ -37,17 +38,44 @@ log = logging.getLogger(__name__)
 OPTIONS = {
     "lenient": True,
     "whitespace_flexible": False,
-    # Compact, one of the spellings GBNF's optional ``space`` allowed. With ", " / ": " the
-    # 135M model, greedy, never closed instructor's nested list (it wrote cities until
-    # max_tokens): after an item it wants the newline it cannot write, and ", " wins.
-    "item_separator": ",",
-    "key_separator": ":",
+    "item_separator": ", ",
+    "key_separator": ": ",
 }
+
+# What makes GBNF expensive: a regular expression or a repetition count turns into nested
+# rules whose parse stacks multiply (``^((a?){0,32}){0,32}$`` held the loop 16 s). A schema
+# without them stays with llama.cpp's own GBNF, whose output small models were tuned
+# against by every client test (with llguidance's fixed whitespace a 135M model, greedy,
+# never closed instructor's nested list, nor a json_object answer).
+COSTLY = frozenset(
+    {
+        "pattern",
+        "patternProperties",
+        "minLength",
+        "maxLength",
+        "minItems",
+        "maxItems",
+        "minProperties",
+        "maxProperties",
+        "format",
+    }
+)
+
+
+def costly(schema: Any) -> bool:
+    """Whether ``schema`` has anything GBNF compiles into counted or regular-expression
+    rules, anywhere in it."""
+    if isinstance(schema, dict):
+        return any(k in COSTLY for k in schema) or any(costly(v) for v in schema.values())
+    if isinstance(schema, list):
+        return any(costly(v) for v in schema)
+    return False
 
 
 def constrain(body: dict[str, Any]) -> dict[str, Any]:
     """``body`` (llama.cpp's request) with its ``response_format`` / ``json_schema`` as an
-    llguidance ``grammar``; unchanged when it carries none or carries ``tools``."""
+    llguidance ``grammar`` when the schema is ``costly``; unchanged when it carries none,
+    carries ``tools``, or its schema compiles cheaply into GBNF."""
     if body.get("tools") or "grammar" in body:
         return body
     schema: Any = None
@@ -64,9 +92,12 @@ def constrain(body: dict[str, Any]) -> dict[str, Any]:
         schema, param = body["json_schema"], "json_schema"
     if schema is None:
         return body
+    text = grammar(json.dumps(schema, sort_keys=True), param)  # every schema is checked
+    if not costly(schema):
+        return body
     body.pop("response_format", None)
     body.pop("json_schema", None)
-    body["grammar"] = grammar(json.dumps(schema, sort_keys=True), param)
+    body["grammar"] = text
     return body
 
 

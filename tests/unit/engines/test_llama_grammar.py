@@ -32,11 +32,20 @@ def test_a_response_format_becomes_an_llguidance_grammar() -> None:
     assert sent["x-guidance"] == llama_grammar.OPTIONS  # fixed separators, lenient
 
 
-def test_json_object_no_template_and_plain_bodies() -> None:
-    body = constrain({"messages": [], "response_format": {"type": "json_object"}})
-    assert schema_of(body["grammar"])["type"] == "object"
-    body = constrain({"prompt": "x", "json_schema": {"type": "integer"}})
-    assert "json_schema" not in body and schema_of(body["grammar"])["type"] == "integer"
+def test_cheap_schemas_stay_with_gbnf_and_costly_ones_go_to_llguidance() -> None:
+    """Only what GBNF compiles into counted or regular-expression rules (``COSTLY``) goes
+    to llguidance: with its fixed whitespace a 135M model, greedy, never closed
+    instructor's nested list nor a json_object answer; GBNF's output it closed."""
+    plain = {"messages": [], "response_format": {"type": "json_object"}}
+    assert constrain(dict(plain)) == plain
+    nested = {"type": "object", "properties": {"cities": {"type": "array", "items": {}}}}
+    assert constrain({"prompt": "x", "json_schema": nested}) == {
+        "prompt": "x",
+        "json_schema": nested,
+    }
+    short = {"type": "object", "properties": {"code": {"type": "string", "maxLength": 5}}}
+    body = constrain({"prompt": "x", "json_schema": short})
+    assert "json_schema" not in body and schema_of(body["grammar"])["type"] == "object"
     text = {"messages": [], "response_format": {"type": "text"}}
     assert constrain(dict(text)) == text
     native = {"messages": [], "tools": [{"type": "function"}], "response_format": fmt({})}
@@ -60,7 +69,7 @@ def test_a_schema_llguidance_cannot_compile_is_a_400(schema: Any, reason: str) -
 
 
 def test_keywords_llguidance_lacks_pass_as_before() -> None:
-    schema = {"type": "array", "items": {"type": "string"}, "uniqueItems": True}
+    schema = {"type": "array", "items": {"type": "string"}, "uniqueItems": True, "minItems": 1}
     body = constrain({"messages": [], "response_format": fmt(schema)})
     assert schema_of(body["grammar"])["uniqueItems"] is True
 
@@ -84,7 +93,7 @@ def test_objects_with_properties_take_no_other_keys_as_gbnf_read_them() -> None:
             {"type": "array", "items": {"type": "object", "properties": {"a": {}}}},
         ]
     }
-    sent = schema_of(constrain({"messages": [], "response_format": fmt(schema)})["grammar"])
+    sent = llama_grammar.closed(schema)
     zone, nested, open_, array = sent["anyOf"]
     assert zone["additionalProperties"] is False
     assert nested["additionalProperties"] is False
@@ -106,7 +115,7 @@ def test_integers_without_bounds_get_gbnfs_sixteen_digits() -> None:
             "ratio": {"type": "number"},
         },
     }
-    sent = schema_of(constrain({"messages": [], "response_format": fmt(schema)})["grammar"])
+    sent = llama_grammar.closed(schema)
     population, age = sent["properties"]["population"], sent["properties"]["age"]
     assert (population["minimum"], population["maximum"]) == (-(10**16 - 1), 10**16 - 1)
     assert age == {"type": "integer", "minimum": 0}
