@@ -64,6 +64,9 @@ class Resume:
         self.produced = 0  # tokens the client had before the preemption
         self.preempted_at = 0.0
         self.stall_s: float | None = None  # preemption -> the continuation's first event
+        # Whitespace the client has that the chat template trims from an assistant prefill:
+        # the model writes it again, and the seam drops it once (no doubled newline).
+        self.skip = ""
 
     def record(self, out: bytes) -> None:
         """Engine events just relayed (whole SSE events)."""
@@ -87,7 +90,9 @@ class Resume:
         req = self.request
         left = max(1, req.max_tokens - self.produced)
         if req.kind == "chat":
-            prefill = {"role": "assistant", "content": text}
+            kept = text.rstrip()
+            self.skip = text[len(kept) :]
+            prefill = {"role": "assistant", "content": kept}
             return dataclasses.replace(
                 req, messages=(*req.messages, prefill), max_tokens=left, resumed=ticket
             )
@@ -106,10 +111,34 @@ class Resume:
                 continue
             if self.stream_id is not None:
                 event = _ID.sub(lambda _: self.stream_id or b"", event, count=1)
+            if self.skip and event.startswith(b"data: {"):
+                event = self._skipped(event)
             if b'"usage"' in event and event.startswith(b"data: {"):
                 event = self._fixed_usage(event)
             events.append(event + b"\n\n")
         return b"".join(events)
+
+    def _skipped(self, event: bytes) -> bytes:
+        """``event`` without the part of ``skip`` its content starts with (the trimmed
+        whitespace written again); ``skip`` ends at the first content that differs."""
+        try:
+            chunk = json.loads(event[6:])
+        except ValueError:
+            return event
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") if isinstance(choice, dict) else None
+            if not isinstance(delta, dict):
+                continue
+            content = delta.get("content")
+            if not isinstance(content, str) or not content:
+                continue
+            same = 0
+            while same < min(len(content), len(self.skip)) and content[same] == self.skip[same]:
+                same += 1
+            delta["content"] = content[same:]
+            self.skip = self.skip[same:] if same == len(content) else ""
+            return b"data: " + json.dumps(chunk, separators=(",", ":")).encode()
+        return event
 
     def _fixed_usage(self, event: bytes) -> bytes:
         try:

@@ -86,3 +86,21 @@ def test_only_plain_text_streams_are_resumable() -> None:
         TextRequest(kind="chat", max_tokens=5, stream=True, tools=(tool,)),
     ):
         assert not resumable(refused)
+
+
+def test_whitespace_the_template_trims_from_the_prefill_is_not_sent_twice() -> None:
+    """A preemption right after "rules above:\\n": the chat template trims the prefill's
+    trailing newline, the model writes it again, and the client had it already (a slow
+    reader's answer came out with a doubled newline)."""
+    request = TextRequest(kind="chat", messages=({"role": "user", "content": "q"},), max_tokens=64)
+    resume = Resume(request)
+    first = {"id": "a", "choices": [{"delta": {"content": "rules above:\n"}}]}
+    resume.record(b"data: " + json.dumps(first).encode() + b"\n\n")
+    cont = resume.continuation(7)
+    assert cont.messages[-1] == {"role": "assistant", "content": "rules above:"}
+    again = {"id": "b", "choices": [{"delta": {"content": "\n1. Rule"}}]}
+    out = resume.splice(b"data: " + json.dumps(again).encode() + b"\n\n")
+    assert json.loads(out[6:].strip())["choices"][0]["delta"]["content"] == "1. Rule"
+    more = {"id": "b", "choices": [{"delta": {"content": "\n2."}}]}
+    out = resume.splice(b"data: " + json.dumps(more).encode() + b"\n\n")
+    assert json.loads(out[6:].strip())["choices"][0]["delta"]["content"] == "\n2."
