@@ -258,7 +258,10 @@ def test_a_slow_reader_that_is_preempted_gets_its_whole_answer(server: ServerPro
     text, usage, ids, openings = got[0]
     assert preemptions(server) == before + 1, "the stream was not preempted"
     assert cached >= n_prompt - 2 * BLOCK, (n_prompt, cached)
-    assert text == want
+    # The continuation re-tokenizes the text at the seam (an assistant prefill): greedy
+    # decoding can then spell the whitespace there differently ("\n" vs "\n\n", seen
+    # under load); every word must be the un-preempted answer's, in order.
+    assert text.split() == want.split(), (text, want)
     assert len(ids) == 1 and openings == 1
     assert usage is not None and want_usage is not None
     assert abs(usage.completion_tokens - want_usage.completion_tokens) <= 1
