@@ -82,6 +82,25 @@ def ready(http: httpx.Client) -> dict[str, dict[str, Any]]:
     return {m["id"]: m for m in rows if m["state"] == "ready"}
 
 
+def guarded_server(cgroup: Cgroup, tmp_path: Path, *, horizon: int) -> ServerProcess:
+    """The server in ``cgroup`` with the LLM preloaded, the monitor's tick a minute away
+    and PSI levels off, so only the kernel's notifications can wake the guard in time."""
+    return ServerProcess(
+        tmp_path,
+        "--ctx",
+        "1024",
+        "--preload",
+        LLM,
+        env={
+            "ELBOWROOM_MONITOR_INTERVAL": "60",
+            "ELBOWROOM_PRESSURE_HORIZON": str(horizon),
+            "ELBOWROOM_PSI_SOFT": "100",
+            "ELBOWROOM_PSI_HARD": "100",
+        },
+        prefix=cgroup.command(),
+    )
+
+
 def adj(pid: int) -> int:
     return int(Path(f"/proc/{pid}/oom_score_adj").read_text())
 
@@ -89,22 +108,9 @@ def adj(pid: int) -> int:
 def test_a_crossing_wakes_the_guard_before_the_monitor_s_next_tick(
     cgroup: Cgroup, tmp_path: Path
 ) -> None:
-    server = ServerProcess(
-        tmp_path,
-        "--ctx",
-        "1024",
-        "--preload",
-        LLM,
-        # the trend (pressure_horizon) and PSI levels off: the threshold, not a projection
-        # or the machine's other tenants, is under test
-        env={
-            "ELBOWROOM_MONITOR_INTERVAL": "60",
-            "ELBOWROOM_PRESSURE_HORIZON": "0",
-            "ELBOWROOM_PSI_SOFT": "100",
-            "ELBOWROOM_PSI_HARD": "100",
-        },
-        prefix=cgroup.command(),
-    )
+    # the trend (pressure_horizon) and PSI levels off: the threshold, not a projection or
+    # the machine's other tenants, is under test
+    server = guarded_server(cgroup, tmp_path, horizon=0)
     neighbour: Neighbour | None = None
     try:
         http = httpx.Client(base_url=server.start().url, timeout=30)
@@ -170,20 +176,7 @@ def test_memory_growing_fast_wakes_the_guard_below_every_level(
     the first notification was the fixed 80 % threshold: nothing here crossed it, and the
     guard did nothing until its tick.) The horizon is long so that the neighbour's speed
     on a busy machine does not matter: any steady growth is a trend at 60 s."""
-    server = ServerProcess(
-        tmp_path,
-        "--ctx",
-        "1024",
-        "--preload",
-        LLM,
-        env={
-            "ELBOWROOM_MONITOR_INTERVAL": "60",
-            "ELBOWROOM_PRESSURE_HORIZON": "60",
-            "ELBOWROOM_PSI_SOFT": "100",
-            "ELBOWROOM_PSI_HARD": "100",
-        },
-        prefix=cgroup.command(),
-    )
+    server = guarded_server(cgroup, tmp_path, horizon=60)
     neighbour: Neighbour | None = None
     try:
         http = httpx.Client(base_url=server.start().url, timeout=30)
