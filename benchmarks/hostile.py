@@ -22,6 +22,8 @@ fresh ~900-token prompt, then client B the same prompt, plainly (prefix reuse, t
 default) or with `cache_salt`; B's time and `cached_tokens`, interleaved.
 
     python benchmarks/hostile.py --rounds 5   # writes results/hostile.{json,md}
+    # one attack against the idle baseline, nothing else (no 2-token or prefix rounds):
+    python benchmarks/hostile.py --rounds 5 --only integers --out hostile_integers
 """
 
 from __future__ import annotations
@@ -241,6 +243,15 @@ def attack_bodies(url: str) -> str:
     return f"{code}; stalled {','.join(sorted(set(answers)))}"
 
 
+# --only's names for the attacks (the idle baseline always runs).
+SHORT = {
+    "grammar": "grammar bomb (30,000-value enum)",
+    "nested": "nested-repeat pattern inside the bounds",
+    "integers": "four 32 MB bodies of 4,299-digit integers",
+    "heads": "400 half-sent request heads",
+    "bodies": "stalled 4 x 32 MiB + 128 MiB bodies",
+}
+
 ATTACKS: dict[str, Callable[[str], str]] = {
     "idle (baseline)": attack_idle,
     "grammar bomb (30,000-value enum)": attack_grammar,
@@ -306,11 +317,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default="hostile")
+    parser.add_argument(
+        "--only",
+        choices=sorted(SHORT),
+        action="append",
+        help="run only these attacks (and the idle baseline), without the 2-token and "
+        "prefix rounds; repeatable",
+    )
     args = parser.parse_args()
+    attacks = {
+        name: attack
+        for name, attack in ATTACKS.items()
+        if not args.only or name == "idle (baseline)" or name in {SHORT[o] for o in args.only}
+    }
     home = Path(tempfile.mkdtemp(prefix="hostile-bench-"))
     server, url = start_server(home)
     loads: list[float] = []
-    health: dict[str, list[dict[str, Any]]] = {name: [] for name in ATTACKS}
+    health: dict[str, list[dict[str, Any]]] = {name: [] for name in attacks}
     grammar: dict[str, list[float]] = {"plain": [], "enum256": [], "nested": []}
     prefix: dict[str, list[tuple[float, int]]] = {"shared": [], "cache_salt": []}
     try:
@@ -321,7 +344,7 @@ def main() -> None:
         }
         for _ in range(args.rounds):
             loads.append(os.getloadavg()[0])
-            for name, attack in ATTACKS.items():
+            for name, attack in attacks.items():
                 with Probe(url) as probe:
                     outcome = attack(url)
                 health[name].append(
@@ -334,6 +357,8 @@ def main() -> None:
                         "outcome": outcome,
                     }
                 )
+            if args.only:
+                continue
             grammar["plain"].append(beside(url, {}))
             grammar["enum256"].append(beside(url, fmt))
             grammar["nested"].append(beside(url, NESTED_FMT))
@@ -348,11 +373,16 @@ def main() -> None:
         "loadavg_1m": summary(loads),
         "cpus": os.cpu_count(),
         "health": health,
-        "two_token_beside": {k: summary(v) for k, v in grammar.items()},
-        "two_token_raw": grammar,
-        "prefix_b_seconds": {k: summary([t for t, _ in v]) for k, v in prefix.items()},
-        "prefix_raw": prefix,
+        "only": args.only,
     }
+    if not args.only:
+        result |= {
+            "two_token_beside": {k: summary(v) for k, v in grammar.items()},
+            "two_token_raw": grammar,
+            "prefix_b_seconds": {k: summary([t for t, _ in v]) for k, v in prefix.items()},
+            "prefix_raw": prefix,
+        }
+    command = "".join(f" --only {o}" for o in args.only or ())
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2))
     lines = [
@@ -361,7 +391,7 @@ def main() -> None:
         f"{result['date']}, {args.rounds} interleaved rounds, {os.cpu_count()} CPUs, 1-minute "
         f"load average median {result['loadavg_1m']['median']:.2f} "
         f"({result['loadavg_1m']['min']:.2f}-{result['loadavg_1m']['max']:.2f}); a machine "
-        "shared with other work. `python benchmarks/hostile.py`.",
+        f"shared with other work. `python benchmarks/hostile.py{command}`.",
         "",
         "| during | /health p50 ms | p99 ms (median, range) | max ms | failed | outcome |",
         "|---|---|---|---|---|---|",
@@ -374,6 +404,11 @@ def main() -> None:
             f"{max(r['max'] * 1000 for r in rows):.1f} | {sum(r['failures'] for r in rows)} | "
             f"{rows[-1]['outcome']} |"
         )
+    if args.only:
+        lines.append("")
+        (RESULTS / f"{args.out}.md").write_text("\n".join(lines))
+        print("\n".join(lines))
+        return
     plain, bound = result["two_token_beside"]["plain"], result["two_token_beside"]["enum256"]
     nested = result["two_token_beside"]["nested"]
     lines += [

@@ -25,7 +25,7 @@ from typing import Any
 from elbowroom.config import KV_TYPES
 from elbowroom.engines.base import Cancelled, Emit, PressureLevel
 from elbowroom.engines.llama_control import EngineControl
-from elbowroom.engines.llama_grammar import constrain
+from elbowroom.engines.llama_grammar import constrain, costly_tools
 from elbowroom.engines.llama_slots import Slots
 from elbowroom.engines.llama_tools import plan as plan_tools
 from elbowroom.engines.options import EngineOptions, LlamaOptions, expect
@@ -457,7 +457,10 @@ class LlamaEngine:
             return constrain(body), False
         if request.logprobs is not None:
             body.update(logprobs=True, top_logprobs=request.logprobs)
-        native = self._chat_template and self._native_tools
+        # Costly tool schemas are emulated even where the template knows tools: llama.cpp
+        # compiles a template's tool grammar as GBNF, where they could hold the engine's loop
+        # (engines/llama_grammar.py); emulated, their call schema goes as llguidance.
+        native = self._chat_template and self._native_tools and not costly_tools(request.tools)
         tools = {"tools": list(request.tools), "tool_choice": request.tool_choice}
         tool_plan = plan_tools({**body, **tools, "messages": list(request.messages)}, native)
         body, emulated = tool_plan.body, tool_plan.emulated

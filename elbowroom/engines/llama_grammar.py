@@ -21,7 +21,10 @@ an object with ``properties`` takes no other keys unless it says so, as GBNF rea
 an integer with no bounds has at most 16 digits, as GBNF wrote it (``INTEGER_DIGITS``).
 
 Requests whose tools the chat template handles natively keep llama.cpp's own tool grammar
-(GBNF): the engine builds it from the template and refuses a ``grammar`` beside ``tools``.
+(GBNF): the engine builds it from the template (always as GBNF) and refuses a ``grammar``
+beside ``tools``. Unless a tool's ``parameters`` are costly (``costly_tools``): then the
+runner emulates the tools (engines/llama_tools.py) even on such a model, and the call
+schema, costly with them, goes here as an llguidance grammar.
 """
 
 from __future__ import annotations
@@ -70,6 +73,18 @@ def costly(schema: Any) -> bool:
     if isinstance(schema, list):
         return any(costly(v) for v in schema)
     return False
+
+
+def costly_tools(tools: Any) -> bool:
+    """Whether any of the OpenAI ``tools`` has costly ``parameters``: as GBNF (a native
+    template's tool grammar) they could hold the engine's loop as a costly
+    ``response_format`` did."""
+    return isinstance(tools, (list, tuple)) and any(
+        isinstance(tool, dict)
+        and isinstance(tool.get("function"), dict)
+        and costly(tool["function"].get("parameters"))
+        for tool in tools
+    )
 
 
 def constrain(body: dict[str, Any]) -> dict[str, Any]:

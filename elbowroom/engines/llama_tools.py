@@ -8,9 +8,11 @@ Two paths, chosen per request:
   ``tool_choice`` (it warns and falls back to ``auto``), so a named choice is sent as
   ``tools=[that one]`` with ``tool_choice="required"``: the grammar then admits only it.
 - **Emulated**: the template has no tool support (SmolLM2, base models), so the engine would
-  answer in prose. The tools are described in a system message and the output is
-  constrained by a JSON schema: ``required`` / named → exactly a call object
-  ``{"name": ..., "arguments": {...}}``; ``auto`` → a call object or ``{"content": "..."}``.
+  answer in prose; or a tool's parameters are costly as a GBNF grammar (a ``pattern``,
+  length/count bounds, a ``format``: engines/llama_grammar.py ``costly_tools``). The tools
+  are described in a system message and the output is constrained by a JSON schema:
+  ``required`` / named → exactly a call object ``{"name": ..., "arguments": {...}}``;
+  ``auto`` → a call object or ``{"content": "..."}``.
   The JSON is parsed back into a tool call (or plain content) when the generation ends, so
   emulated calls arrive as one delta at the end of a stream.
 
@@ -55,8 +57,9 @@ def plan(body: dict[str, Any], native: bool) -> ToolPlan:
         return ToolPlan({**body, "tools": tools, "tool_choice": choice or "auto"}, False)
     if body.get("response_format") not in (None, {"type": "text"}):
         raise BadRequest(
-            "tools and response_format together are not supported for this model: its chat "
-            "template has no tool support, so tools are emulated with a JSON schema",
+            "tools and response_format together are not supported here: the tools are "
+            "emulated with a JSON schema (the model's chat template has no tool support, or "
+            "a tool's parameters use pattern, length or count bounds, or format)",
             param="response_format",
         )
     offered = [named] if named is not None else list(tools)

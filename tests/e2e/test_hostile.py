@@ -420,6 +420,54 @@ def test_32mb_of_long_integers_is_a_400_and_stalls_no_one(server: ServerProcess)
     assert probe.p99() < HEALTH_P99
 
 
+LONG_INTEGER = b"9" * 100_000
+
+
+@pytest.mark.slow
+def test_a_100000_digit_integer_is_a_400_in_each_api_s_shape(server: ServerProcess) -> None:
+    """The body scan refuses an integer over ``max_int_digits`` before anything parses the
+    body, on OpenAI's routes and Ollama's in their own error shapes, while /health is
+    answered; nothing is loaded for it."""
+    head = b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "x"}], '
+    bodies = {
+        "/v1/chat/completions": head + b'"seed": ' + LONG_INTEGER + b"}",
+        "/api/chat": head + b'"options": {"seed": ' + LONG_INTEGER + b"}}",
+    }
+    answers: list[tuple[str, httpx.Response, float]] = []
+    loaded = [row["id"] for row in server.ps()]
+
+    def send(path: str) -> None:
+        for _ in range(5):
+            began = time.monotonic()
+            r = httpx.post(
+                server.url + path,
+                content=bodies[path],
+                headers={"content-type": "application/json"},
+                timeout=120,
+            )
+            answers.append((path, r, time.monotonic() - began))
+
+    senders = [threading.Thread(target=send, args=(path,)) for path in [*bodies, *bodies]]
+    for sender in senders:
+        sender.start()
+    health = []
+    while any(sender.is_alive() for sender in senders):
+        health.append(httpx.get(server.url + "/health", timeout=30).status_code)
+    for sender in senders:
+        sender.join()
+    assert health and set(health) == {200}
+    assert len(answers) == 20
+    for path, r, took in answers:
+        assert r.status_code == 400, r.text[:300]
+        assert "max_int_digits" in r.text and str(len(LONG_INTEGER)) in r.text
+        if path.startswith("/api/"):
+            assert isinstance(r.json()["error"], str)  # Ollama's shape
+        else:
+            assert r.json()["error"]["code"] == "integer_too_long"
+        assert took < 60  # no parse of 100,000 digits, on a busy machine too
+    assert [row["id"] for row in server.ps()] == loaded  # no runner started for them
+
+
 @pytest.mark.slow
 def test_a_4m_character_system_prompt_is_a_fast_400(server: ServerProcess) -> None:
     """It reached the runner, which tokenized 2 M tokens for 13-16 s before its 400."""

@@ -11,6 +11,11 @@ the interpreter may switch threads, so a scan in a worker thread does not stall 
 loop. Escapes are blanked first (``\\\\`` and ``\\"`` become two harmless bytes, with two
 ``bytes.replace`` calls at memory speed) so that a string is simply ``"[^"]*"``; a regex
 that understood escapes itself takes ~0.3 µs per escape, seconds for a crafted body.
+
+The same pass refuses an integer literal of more than ``max_int_digits`` digits
+(``IntegerWatch``), piece by piece, before the body is decoded or parsed: 32 MB of
+4,299-digit integers is refused in its first piece instead of after two full passes over
+it and a decode.
 """
 
 from __future__ import annotations
@@ -67,11 +72,15 @@ class Inspected:
     prompt_chars: int  # characters of the text a model would be prompted with
 
 
-def scan(body: bytes | bytearray, max_values: int, max_depth: int) -> int:
+def scan(
+    body: bytes | bytearray, max_values: int, max_depth: int, max_int_digits: int | None = None
+) -> int:
     """The number of values in ``body`` (about: strings, containers, commas), raising
-    PayloadTooLarge past ``max_values`` and BadRequest past ``max_depth`` nesting levels.
-    Malformed JSON is not judged here: the parser reports it."""
-    text = structure(body)
+    PayloadTooLarge past ``max_values``, BadRequest past ``max_depth`` nesting levels and,
+    given ``max_int_digits``, BadRequest at the first integer literal longer than that
+    (``IntegerWatch``). Malformed JSON is not judged here: the parser reports it."""
+    watch = IntegerWatch(max_int_digits) if max_int_digits is not None else None
+    text = structure(body, watch)
     values = depth = 0
     for match in _TOKEN.finditer(text):
         kind = match.lastindex
@@ -95,11 +104,12 @@ def scan(body: bytes | bytearray, max_values: int, max_depth: int) -> int:
     return values
 
 
-def structure(body: bytes | bytearray) -> bytes:
+def structure(body: bytes | bytearray, watch: IntegerWatch | None = None) -> bytes:
     """What the scan looks at: ``body`` with escapes blanked and every byte but
     ``"[]{},`` deleted, worked through in pieces of ``PIECE`` bytes. A run of backslashes
     cut by a piece's end carries over: its pairs are blanked (then deleted) and an odd one
-    left joins the next piece, where it escapes what follows as it would have whole."""
+    left joins the next piece, where it escapes what follows as it would have whole.
+    ``watch`` sees each piece with its escapes blanked, before it is translated."""
     out: list[bytes | bytearray] = []
     carry = b""
     escapes = b"\\" in body
@@ -110,8 +120,90 @@ def structure(body: bytes | bytearray) -> bytes:
             kept = piece.rstrip(b"\\")
             carry = b"\\" * ((len(piece) - len(kept)) % 2)
             piece = kept.replace(b"\\\\", b"__").replace(b'\\"', b"__")
+        if watch is not None:
+            watch.piece(piece)
         out.append(piece.translate(None, _UNSEEN))
     return b"".join(out)
+
+
+_DIGITS = re.compile(rb"[0-9]*")
+
+
+def _run_end(piece: bytes | bytearray, at: int) -> int:
+    """Where the run of digits at ``at`` ends."""
+    match = _DIGITS.match(piece, at)
+    return match.end() if match else at
+
+
+_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
+_NOT_INTEGER_AFTER = b".eE"  # a run of digits after these is a fraction or an exponent
+
+
+class IntegerWatch:
+    """Refuses an integer literal of more than ``max_digits`` digits (400
+    ``integer_too_long``), looking at the body's pieces one by one with their escapes
+    blanked (``structure``), before anything decodes or parses the body.
+
+    Each piece is mapped digit -> ``0`` (one ``translate``) and searched for
+    ``max_digits + 1`` zeros (``bytes.find``): both at memory speed, so a body without a
+    long run costs two passes per piece and nothing else. A run found is an integer
+    literal when it is outside a string (escapes blanked, every ``"`` opens or closes one:
+    the parity of the quotes before it tells) and not a fraction or an exponent (no ``.``,
+    ``e``, ``e+`` or ``e-`` right before it). A float's integer part counts as an integer
+    literal's. A literal cut by a piece's end carries its digits into the next piece."""
+
+    def __init__(self, max_digits: int) -> None:
+        self.max_digits = max_digits
+        self.long = b"0" * (max_digits + 1)
+        self.in_string = False  # at the start of the next piece
+        self.run = 0  # digits of an integer literal the last piece ended in
+        self.before = b"  "  # the last piece's last two bytes
+
+    def piece(self, piece: bytes | bytearray) -> None:
+        at = 0
+        if self.run:
+            lead = _run_end(piece, 0)
+            if self.run + lead > self.max_digits:
+                self._refuse(self.run + lead, lead == len(piece))
+            if lead == len(piece):
+                self.run += lead
+                self.before = (self.before + piece[-2:])[-2:]
+                return
+            at, self.run = lead, 0
+        elif self.before[-1] in b"0123456789":
+            at = _run_end(piece, 0)  # the rest of a run that is no integer
+        inside = self.in_string
+        counted = 0
+        zeros = piece.translate(_AS_ZERO)
+        while (hit := zeros.find(self.long, at)) >= 0:
+            inside ^= bool(piece.count(b'"', counted, hit) & 1)
+            counted = hit
+            end = _run_end(piece, hit)
+            if not inside and self._integer_at(piece, hit):
+                self._refuse(end - hit, end == len(piece))
+            at = end
+        inside ^= bool(piece.count(b'"', counted) & 1)
+        tail = len(piece) - len(piece.rstrip(b"0123456789"))
+        start = len(piece) - tail
+        if tail and not inside and start >= at and self._integer_at(piece, start):
+            self.run = tail
+        self.in_string = inside
+        self.before = (self.before + piece[-2:])[-2:]
+
+    def _integer_at(self, piece: bytes | bytearray, start: int) -> bool:
+        """Whether the run of digits at ``start`` begins an integer (part)."""
+        two = (self.before + piece[max(0, start - 2) : start])[-2:]
+        if two[1] in _NOT_INTEGER_AFTER:
+            return False
+        return not (two[1] in b"+-" and two[0] in b"eE")
+
+    def _refuse(self, digits: int, at_least: bool) -> None:
+        more = " or more" if at_least else ""
+        raise BadRequest(
+            f"The JSON body has an integer of {digits}{more} digits; at most "
+            f"{self.max_digits} are allowed (max_int_digits)",
+            code="integer_too_long",
+        )
 
 
 def decode(body: bytes | bytearray) -> str:
@@ -126,7 +218,7 @@ def decode(body: bytes | bytearray) -> str:
 
 def inspect(body: bytes | bytearray, path: str, limits: Limits) -> Inspected:
     """Scan, parse and check ``body`` sent to ``path``; raise the error a client should see."""
-    scan(body, limits.max_values, limits.max_depth)
+    scan(body, limits.max_values, limits.max_depth, limits.max_int_digits)
     try:
         value = json.loads(decode(body), parse_int=_int_parser(limits.max_int_digits))
     except BadRequest:

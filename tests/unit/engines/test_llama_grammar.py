@@ -120,3 +120,18 @@ def test_integers_without_bounds_get_gbnfs_sixteen_digits() -> None:
     assert (population["minimum"], population["maximum"]) == (-(10**16 - 1), 10**16 - 1)
     assert age == {"type": "integer", "minimum": 0}
     assert "maximum" not in sent["properties"]["ratio"]
+
+
+def test_tools_with_costly_parameters_are_told_apart() -> None:
+    """A native template's tool grammar is GBNF: such tools are emulated (engines/llama.py),
+    their call schema then sent as llguidance."""
+
+    def tool(parameters: Any) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+    cheap = tool({"type": "object", "properties": {"city": {"type": "string"}}})
+    nested = tool({"type": "object", "properties": {"tags": {"items": {"maxLength": 4}}}})
+    assert not llama_grammar.costly_tools([cheap, tool(None), {"type": "function"}])
+    assert llama_grammar.costly_tools((cheap, tool({"properties": {"c": NESTED}})))
+    assert llama_grammar.costly_tools([nested])
+    assert not llama_grammar.costly_tools(None)

@@ -15,7 +15,7 @@ from server_fakes import FakeCatalog, FakeScheduler, Harness, http_scope, spec
 from starlette.testclient import TestClient
 
 from elbowroom.config import Settings
-from elbowroom.errors import EngineError
+from elbowroom.errors import BadRequest, EngineError
 from elbowroom.models.spec import GGUFInfo
 from elbowroom.server.app import create_app
 from elbowroom.server.deps import Services
@@ -132,6 +132,128 @@ def test_a_large_body_is_worked_through_in_pieces() -> None:
     with pytest.raises(Exception, match="max_int_digits"):
         inspect(body, "/v1/chat/completions", LIMITS)
     assert body.calls == []
+
+
+def test_long_integers_are_refused_in_the_first_piece_before_any_decode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 28: four 32 MB bodies of 4,299-digit integers were translated and decoded
+    whole (~300 ms of interpreter each) before json.loads' ``parse_int`` refused their first
+    integer; /health waited up to 489 ms. The scan's first piece refuses them now."""
+    pieces: list[int] = []
+    watch_piece = jsonscan.IntegerWatch.piece
+
+    def counted(self: jsonscan.IntegerWatch, piece: bytes | bytearray) -> None:
+        pieces.append(len(piece))
+        watch_piece(self, piece)
+
+    def no_decode(body: bytes | bytearray) -> str:
+        raise AssertionError("decoded")
+
+    monkeypatch.setattr(jsonscan.IntegerWatch, "piece", counted)
+    monkeypatch.setattr(jsonscan, "decode", no_decode)
+    body = b'{"model": "m", "seed": [' + b",".join([b"7" * 4299] * 7400) + b"]}"
+    with pytest.raises(BadRequest) as err:
+        inspect(body, "/v1/chat/completions", LIMITS)
+    assert err.value.code == "integer_too_long" and err.value.status == 400
+    assert "max_int_digits" in err.value.message and "64 are allowed" in err.value.message
+    assert pieces == [jsonscan.PIECE]
+
+
+def _digits_over(limit: int) -> Callable[[str], Any]:
+    """The parser's view of the watch's rule: an integer, or a number's integer part, of
+    more than ``limit`` digits is refused."""
+
+    def parse(text: str) -> Any:
+        whole = text.lstrip("-")
+        run = len(whole) - len(whole.lstrip("0123456789"))
+        if run > limit:
+            raise BadRequest("long", code="integer_too_long")
+        return float(text)
+
+    return parse
+
+
+def _number(rng: Any) -> str:
+    def digits() -> str:
+        return "".join(rng.choice("0123456789") for _ in range(rng.randrange(1, 12)))
+
+    kind = rng.randrange(4)
+    if kind == 0:
+        return rng.choice(["", "-"]) + digits()
+    if kind == 1:
+        return f"{digits()}.{digits()}"
+    return digits() + rng.choice("eE") + rng.choice(["", "+", "-"]) + digits()
+
+
+def _document(rng: Any, depth: int = 0) -> str:
+    kind = rng.random()
+    if depth > 3 or kind < 0.35:
+        return _number(rng)
+    if kind < 0.6:
+        return json.dumps("".join(rng.choice('123\\"a,[ e.') for _ in range(rng.randrange(15))))
+    if kind < 0.65:
+        return rng.choice(["true", "false", "null"])
+    if kind < 0.82:
+        items = ", ".join(_document(rng, depth + 1) for _ in range(rng.randrange(5)))
+        return f"[{items}]"
+    keys = [json.dumps(_number(rng)) for _ in range(rng.randrange(4))]
+    return "{" + ", ".join(f"{k}: {_document(rng, depth + 1)}" for k in keys) + "}"
+
+
+@pytest.mark.parametrize("piece", [1, 2, 3, 8, 64])
+def test_the_integer_watch_refuses_what_the_parser_would_and_nothing_else(
+    monkeypatch: pytest.MonkeyPatch, piece: int
+) -> None:
+    """Digits in strings (escaped quotes included), fractions and exponents pass; an
+    integer (part) of more than the limit is refused wherever the pieces cut it."""
+    import random
+
+    monkeypatch.setattr(jsonscan, "PIECE", piece)
+    rng = random.Random(piece)
+    refused = 0
+    for _ in range(1500):
+        text = _document(rng)
+        try:
+            json.loads(text, parse_int=_digits_over(6), parse_float=_digits_over(6))
+            expected = False
+        except BadRequest:
+            expected = True
+        except ValueError:
+            continue  # not JSON (a leading zero): the parser's to judge
+        try:
+            jsonscan.structure(text.encode(), jsonscan.IntegerWatch(6))
+            got = False
+        except BadRequest:
+            got = True
+        assert got == expected, text
+        refused += got
+    assert refused > 100  # the documents hit the limit often
+
+
+@pytest.mark.parametrize(
+    ("body", "refused"),
+    [
+        (b'{"p": "' + b"1" * 1000 + b'"}', False),  # digits in a string
+        (b'{"p": "a\\"' + b"1" * 1000 + b'"}', False),  # after an escaped quote
+        (b'{"p": "a\\\\", "q": ' + b"1" * 1000 + b"}", True),  # after an escaped backslash
+        (b"[0." + b"1" * 1000 + b"]", False),  # a fraction
+        (b"[1e-" + b"0" * 1000 + b"]", False),  # an exponent
+        (b"[-" + b"1" * 65 + b"]", True),
+        (b"[" + b"1" * 64 + b", " + b"2" * 64 + b"]", False),
+        (b"[" + b"1" * 65 + b".5]", True),  # a float's integer part
+    ],
+)
+def test_the_integer_watch_cases(
+    monkeypatch: pytest.MonkeyPatch, body: bytes, refused: bool
+) -> None:
+    for piece in (7, 1 << 18):
+        monkeypatch.setattr(jsonscan, "PIECE", piece)
+        if refused:
+            with pytest.raises(BadRequest, match="max_int_digits"):
+                scan(body, 100, 8, 64)
+        else:
+            assert scan(body, 100, 8, 64) >= 1
 
 
 def test_inspect_checks() -> None:
