@@ -180,7 +180,7 @@ class LlamaEngine:
         verbose = params.verbosity >= 3
         # Before fd 2 is captured for the load.
         self._cache_log = self._read_log(params) if opts.prompt_cache_log else None
-        with _CapturedStderr(llama_log.Shown(verbose, continued=True)) as log_tail:
+        with _CapturedStderr(llama_log.Shown(verbose)) as log_tail:
             try:
                 self._server = self._start_server(params)
             except RuntimeError as exc:

@@ -36,6 +36,7 @@ VERBOSITY = 4
 # level letter); lines that continue a message (a sampler's parameters) start with a tab.
 _ENGINE = re.compile(rb"^\d+\.\d{2}\.\d{3}\.\d{3} ([A-Z]) ")
 _STATE = re.compile(rb"- cache state: (\d+) prompts, ([0-9.]+) MiB \(limits: ([0-9.]+) MiB")
+_EXAMPLE = b"example_format: '"  # the chat template's example, quoted over several lines
 _LOOKUP = b"updating prompt cache"
 _HIT = b"- found better prompt"
 _MIB = 1 << 20
@@ -87,24 +88,28 @@ class PromptCacheLog:
 class Shown:
     """Which lines written to fd 2 go on to the real stderr: all of them when the runner
     logs at debug; else all but the engine's info lines and the lines that continue them:
-    those that start with a tab (a sampler's parameters) and, with ``continued`` (the
-    engine's own output at load, where nothing else writes), every line up to the next
-    engine line (a message of several lines: the chat template's example). Live, a line
-    without the engine's prefix may be anyone's (a traceback): it is shown."""
+    those that start with a tab (a sampler's parameters), and the chat template's example
+    at load, quoted over several lines up to a line that ends the quote. Any other line
+    without the engine's prefix may be anyone's (a traceback, ggml's own allocation error
+    that a failed load is told by): it is shown."""
 
-    def __init__(self, verbose: bool, continued: bool = False) -> None:
+    def __init__(self, verbose: bool) -> None:
         self.verbose = verbose
-        self._continued = continued
-        self._hiding = False  # the last engine line was hidden: its continuation is too
+        self._hiding = False  # the last engine line was hidden: its tab lines are too
+        self._quoted = False  # inside the hidden example's quote
 
     def __call__(self, line: bytes) -> bool:
         if self.verbose:
             return True
+        if self._quoted:
+            self._quoted = not line.endswith(b"'")
+            return False
         found = _ENGINE.match(line)
         if found is not None:
             self._hiding = found.group(1) not in b"WE"
+            self._quoted = self._hiding and _EXAMPLE in line and not line.endswith(b"'")
             return not self._hiding
-        if self._hiding and (self._continued or line.startswith(b"\t")):
+        if self._hiding and line.startswith(b"\t"):
             return False
         self._hiding = False
         return True

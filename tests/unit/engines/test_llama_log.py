@@ -58,10 +58,16 @@ def test_engine_info_lines_are_hidden_unless_debug() -> None:
     # Live, a line without the engine's prefix after a hidden one may be anyone's.
     live = Shown(verbose=False)
     assert [live(lines[0]), live(b"Traceback (most recent call last):")] == [False, True]
-    # At load only the engine writes: its message of several lines is hidden whole.
-    load = Shown(verbose=False, continued=True)
-    template = [b"0.00.005.000 I srv  init: chat template, example:", b"<|im_start|>user", b"Hi"]
-    assert [load(ln) for ln in [*template, lines[2]]] == [False, False, False, True]
+    # The chat template's example at load: quoted over several lines, hidden whole; a
+    # line of ggml's own (no prefix) after an engine info line is shown.
+    load = Shown(verbose=False)
+    example = [
+        b"0.06.353.473 I srv          init: init: chat template, example_format: '<|im_start|>",
+        b"Hello<|im_end|>",
+        b"'",
+        b"ggml_aligned_malloc: insufficient memory (attempted to allocate 9000.00 MB)",
+    ]
+    assert [load(ln) for ln in example] == [False, False, False, True]
     debug = Shown(verbose=True)
     assert all(debug(ln) for ln in lines)
 
