@@ -11,10 +11,10 @@ not through xllamacpp. At log verbosity 4 each lookup writes, in the engine's ow
 
 So the runner process sends its fd 2 (where llama.cpp writes) through a pipe (``tap``): a
 thread reads each line, counts what these lines say (``PromptCacheLog``), and writes the
-line on to the real stderr unless it is one of the engine's info lines that the runner's
-log level would not have shown (the engine used to run at verbosity 0: silent unless it
-failed). Everything else (the runner's own Python log, the engine's warnings and errors)
-passes unchanged. One process holds one engine, so the counts are that runner's.
+line on to the real stderr unless it is one of the engine's info or warning lines, which
+the runner's log level would not have shown (the engine used to run at verbosity 0: silent,
+even about a failed load). Everything else (the runner's own Python log, the engine's
+errors) passes unchanged. One process holds one engine, so the counts are that runner's.
 
 What is counted: ``lookups`` (the engine consulted its cache for a request: "updating
 prompt cache"), ``hits`` (it loaded a saved prompt into the slot: "found better prompt"),
@@ -87,7 +87,9 @@ class PromptCacheLog:
 
 class Shown:
     """Which lines written to fd 2 go on to the real stderr: all of them when the runner
-    logs at debug; else all but the engine's info lines and the lines that continue them:
+    logs at debug; else all but the engine's info and warning lines (llama.cpp warns on
+    every request that its slot holds whole: "n_past was set to ...") and the lines that
+    continue them:
     those that start with a tab (a sampler's parameters), and the chat template's example
     at load, quoted over several lines up to a line that ends the quote. Any other line
     without the engine's prefix may be anyone's (a traceback, ggml's own allocation error
@@ -106,7 +108,7 @@ class Shown:
             return False
         found = _ENGINE.match(line)
         if found is not None:
-            self._hiding = found.group(1) not in b"WE"
+            self._hiding = found.group(1) != b"E"
             self._quoted = self._hiding and _EXAMPLE in line and not line.endswith(b"'")
             return not self._hiding
         if self._hiding and line.startswith(b"\t"):

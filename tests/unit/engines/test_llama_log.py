@@ -7,6 +7,9 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+
+from bundled_models import bundled_spec
 
 from elbowroom.engines.llama_log import PromptCacheLog, Shown
 
@@ -44,7 +47,7 @@ def test_lookups_hits_and_the_last_cache_state() -> None:
     assert counts.stats()["lookups_ram"] == 0 and counts.stats()["bytes_ram"] == 0
 
 
-def test_engine_info_lines_are_hidden_unless_debug() -> None:
+def test_engine_info_and_warning_lines_are_hidden_unless_debug() -> None:
     lines = [
         b"0.10.524.176 I srv  get_availabl: updating prompt cache",
         b"\trepeat_last_n = 64, repeat_penalty = 1.000",  # continues the line above
@@ -54,7 +57,7 @@ def test_engine_info_lines_are_hidden_unless_debug() -> None:
         b"Traceback (most recent call last):",
     ]
     live = Shown(verbose=False)
-    assert [live(ln) for ln in lines] == [False, False, True, True, True, True]
+    assert [live(ln) for ln in lines] == [False, False, False, True, True, True]
     # Live, a line without the engine's prefix after a hidden one may be anyone's.
     live = Shown(verbose=False)
     assert [live(lines[0]), live(b"Traceback (most recent call last):")] == [False, True]
@@ -98,3 +101,36 @@ def test_the_tap_counts_fd2_and_passes_on_what_is_shown() -> None:
         "python's own stderr line",
         "0.11.790.000 E srv  update_slots: an engine error",
     ]
+
+
+def test_a_runner_whose_load_fails_says_why(tmp_path: Path) -> None:
+    """A real engine in a child process, as a runner loads it (prompt_cache_log): a
+    truncated GGUF fails in llama.cpp, and its error lines reach the load's error (at
+    verbosity 0 the engine wrote nothing: "no reason given")."""
+    spec = bundled_spec("smollm2-135m")
+    truncated = tmp_path / "truncated.gguf"
+    data = spec.path.read_bytes()
+    truncated.write_bytes(data[: len(data) // 2])
+    script = textwrap.dedent(
+        f"""
+        import dataclasses, pathlib, sys
+        sys.path[:0] = ["tests"]
+        from bundled_models import bundled_spec
+        from elbowroom.engines.llama import LlamaEngine
+        from elbowroom.engines.options import LlamaOptions
+        from elbowroom.errors import EngineError
+        path = pathlib.Path({str(truncated)!r})
+        spec = dataclasses.replace(bundled_spec("smollm2-135m"), path=path)
+        options = LlamaOptions(n_ctx=256, cache_ram_bytes=8 << 20, prompt_cache_log=True)
+        try:
+            LlamaEngine(lambda: 0).load(spec, options)
+        except EngineError as err:
+            print(err)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "failed to load model" in done.stdout and "no reason given" not in done.stdout
+    assert " I " not in done.stderr  # the engine's info lines stayed out of the log
