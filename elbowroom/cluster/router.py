@@ -433,10 +433,6 @@ class ClusterScheduler:
         out = [r for e in self.live() for r in e.scheduler.inflight()]
         return sorted(out, key=lambda r: r.started_at)
 
-    def pause_loads(self, paused: bool) -> None:
-        for e in self.nodes.values():
-            e.scheduler.pause_loads(paused)
-
     def ps(self) -> list[dict[str, Any]]:
         """Every node's rows (a split model's share on a node is a row of that node, id
         ``<model>~share``), then one row per split model over its shares."""

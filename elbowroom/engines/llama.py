@@ -23,9 +23,11 @@ from collections.abc import Callable
 from typing import Any
 
 from elbowroom.config import KV_TYPES
+from elbowroom.engines import llama_log
 from elbowroom.engines.base import Cancelled, Emit, PressureLevel
 from elbowroom.engines.llama_control import EngineControl
 from elbowroom.engines.llama_grammar import constrain, costly_tools
+from elbowroom.engines.llama_log import PromptCacheLog
 from elbowroom.engines.llama_slots import Slots
 from elbowroom.engines.llama_tools import plan as plan_tools
 from elbowroom.engines.options import EngineOptions, LlamaOptions, expect
@@ -83,6 +85,8 @@ class LlamaEngine:
         self._pressure = pressure  # the runner's memory pressure level (runtime/worker.py)
         self._slot_pool: Slots | None = None
         self._cache_grant = 0  # bytes the engine's RAM prompt cache may hold
+        # What the engine's log says of that cache (engines/llama_log.py); None: not read.
+        self._cache_log: PromptCacheLog | None = None
         self._block = 1  # cached_tokens are reported in whole blocks of this many tokens
         self._lock = threading.Lock()
         self._active = 0
@@ -173,7 +177,10 @@ class LlamaEngine:
         if not spec.path.is_file():
             control.cleanup()
             raise EngineError(f"cannot load {spec.id}: {spec.path} is not a readable file")
-        with _CapturedStderr() as log_tail:
+        verbose = params.verbosity >= 3
+        # Before fd 2 is captured for the load.
+        self._cache_log = self._read_log(params) if opts.prompt_cache_log else None
+        with _CapturedStderr(llama_log.Shown(verbose)) as log_tail:
             try:
                 self._server = self._start_server(params)
             except RuntimeError as exc:
@@ -183,9 +190,9 @@ class LlamaEngine:
         if failure is not None:
             control.cleanup()
             self._control = None
-            raise _load_error(spec.id, log_tail.text(), self._n_ctx, self._slots, kv_type) from (
-                failure
-            )
+            raise _load_error(
+                spec.id, log_tail.text(), self._n_ctx, self._slots, kv_type
+            ) from failure
         props = self._props()
         caps = props.get("chat_template_caps") or {}
         self._native_tools = bool(caps.get("supports_tool_calls") or caps.get("supports_tools"))
@@ -210,6 +217,16 @@ class LlamaEngine:
         right after, the kernel frees all of it at once: the engine is left running."""
         if process_exit and server is not None:
             _LEFT_FOR_EXIT.append(server)
+
+    def _read_log(self, params: Any) -> PromptCacheLog | None:
+        """Read the engine's RAM prompt cache from its log (engines/llama_log.py): the log
+        goes through the runner's reader, at the verbosity that writes those lines. A split
+        model's engine (llama_rpc) logs to its own file: None there."""
+        if params.cache_ram_mib <= 0:
+            return None
+        counts = llama_log.tap(verbose=params.verbosity >= 3)
+        params.verbosity = max(params.verbosity, llama_log.VERBOSITY)
+        return counts
 
     def _start_server(self, params: Any) -> Any:
         """The engine for ``params``; a split model's engine (llama_rpc) overrides it."""
@@ -239,6 +256,11 @@ class LlamaEngine:
         }
         if self._slot_pool is not None:
             out["kv_cache"] = self._slot_pool.stats()
+        if self._cache_log is not None:  # the RAM tier: the engine's own prompt cache
+            kv = {**out.get("kv_cache", {}), **self._cache_log.stats()}
+            kv["ram_budget"] = self._cache_grant
+            kv["hits"] = {"ram": kv["hits_ram"], "disk": int(kv.get("hits_disk", 0))}
+            out["kv_cache"] = kv
         return out
 
     def relieve(self, level: int) -> None:
@@ -495,7 +517,13 @@ def _check_has_tensors(spec: ModelSpec) -> None:
 
 class _CapturedStderr:
     """Copies what the engine writes to fd 2 while loading (its only account of *why* a
-    load failed) into a temp file, and passes it on to the real stderr afterwards."""
+    load failed) into a temp file, and passes it on to the real stderr afterwards: the
+    lines ``shown`` keeps (the engine logs at a verbosity that writes its prompt-cache
+    lines, engines/llama_log.py; what the runner's log level would not have shown is left
+    out, of the failure's text too)."""
+
+    def __init__(self, shown: Callable[[bytes], bool]) -> None:
+        self._shown = shown
 
     def __enter__(self) -> _CapturedStderr:
         import tempfile
@@ -510,8 +538,9 @@ class _CapturedStderr:
         os.dup2(self._saved, 2)
         os.close(self._saved)
         self._file.seek(0)
-        self._data = self._file.read()
+        lines = self._file.read().splitlines(keepends=True)
         self._file.close()
+        self._data = b"".join(ln for ln in lines if self._shown(ln.rstrip(b"\n")))
         os.write(2, self._data)
 
     def text(self) -> str:

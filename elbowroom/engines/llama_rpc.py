@@ -251,6 +251,9 @@ class RpcLlamaEngine(LlamaEngine):
         if server is not None:
             server.close()
 
+    def _read_log(self, params: Any) -> None:
+        return None  # llama-server writes its log to its own file (log_path), unread
+
     def _start_server(self, params: Any) -> Any:
         args = server_args(params, self._binary, self._rpc, self._split)
         self.log_path = Path(params.hostnames[0]).with_name("llama-server.log")

@@ -49,6 +49,10 @@ class LlamaOptions(EngineOptions):
     kv_type: str = "f16"  # config.KV_TYPES
     mlock: bool = False  # lock the weights in RAM
     cache_ram_bytes: int = 0  # the engine's RAM prompt cache: a grant from the budget
+    # Count that cache from the engine's log (engines/llama_log.py): the runner's fd 2 goes
+    # through a reader. Set for runner processes (scheduler/sizing.py); an engine loaded in
+    # a process of its own making (a test, a benchmark) leaves that process's fd 2 alone.
+    prompt_cache_log: bool = False
     kv_cache: bool = True  # the KV disk tier (kvcache/), with kv_cache_dir and kv_disk_max
     kv_cache_dir: str | None = None
     kv_disk_max: int = 0

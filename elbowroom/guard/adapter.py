@@ -1,8 +1,9 @@
 """The guard's view of the real scheduler (``guard.Target``), through its public hooks.
 
 The scheduler stays the single owner of its state: the adapter only reads its picture
-(``state()``, ``inflight()``) and asks it to act (``unload``, ``pause_loads``, a runner's
-``set_pressure``, ``residency.stop_load`` for a load in progress). It remembers the
+(``state()``, ``inflight()``) and asks it to act (``unload``, a runner's ``set_pressure``,
+``residency.stop_load`` for a load in progress); it points the scheduler at the guard's
+answer to whether loads are paused (``follow_pause``). It remembers the
 level each runner object was last told, so a runner that restarts (a new object) starts
 from normal and is told the current level again.
 """
@@ -14,7 +15,7 @@ import logging
 import math
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from elbowroom.guard.ladder import InFlight, LoadedModel
 from elbowroom.memory.types import Pressure
@@ -118,8 +119,8 @@ class SchedulerTarget:
         self._adj[runner] = adj
         log.debug("runner %s (pid %s): oom_score_adj %d", model, pid, adj)
 
-    def pause_loads(self, paused: bool) -> None:
-        self._scheduler.pause_loads(paused)
+    def follow_pause(self, paused: Callable[[], bool]) -> None:
+        self._scheduler.follow_pause(paused)
 
     async def unload(self, model: str, *, timeout: float = EVICT_TIMEOUT) -> None:
         """Returns once the model is gone: a busy model (evicted at hard) stops when its

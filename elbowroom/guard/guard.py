@@ -91,7 +91,10 @@ class Target(Protocol):
 
     def set_pressure(self, model: str, level: Pressure) -> None: ...
 
-    def pause_loads(self, paused: bool) -> None: ...
+    def follow_pause(self, paused: Callable[[], bool]) -> None:
+        """Read whether loads are paused from ``paused`` (the guard's ``loads_paused``, their
+        one owner), each time a load asks."""
+        ...
 
     async def unload(self, model: str) -> None:
         """Unload now (or as soon as its requests in flight end), counted as pressure."""
@@ -184,6 +187,9 @@ class PressureGuard:
         self.enabled = enabled
         self._retry_after = retry_after
         self._gate = Gate()
+        # Whether loads are paused is the gate's (``loads_paused``): the scheduler reads it
+        # from here each time a load asks, and keeps no copy of its own.
+        target.follow_pause(lambda: self.loads_paused)
         self._prev = Pressure.NORMAL
         self._aborting: dict[str, str] = {}  # request id -> model, until the request ends
         self._unloading: dict[str, _Unloading] = {}
@@ -458,9 +464,7 @@ class PressureGuard:
         model: str | None = None
         level = self._level_now.label  # the sample's, raised by the trend or a GPU pool
         reason = level
-        if isinstance(action, PauseLoads | ResumeLoads):
-            self._target.pause_loads(isinstance(action, PauseLoads))
-        elif isinstance(action, SetPressure):
+        if isinstance(action, SetPressure):
             model = action.model
             reason = action.level.label
             self._target.set_pressure(action.model, action.level)

@@ -361,12 +361,12 @@ class Scheduler:
         _, _, plan, decision = self.residency.consider(self._catalog.get(model_id))
         return decision, plan.request
 
-    def pause_loads(self, paused: bool) -> None:
-        """The pressure guard pauses new loads under soft pressure; a load waits for the
-        resume up to ``settings.load_pause_wait``, then fails with 503 MemoryPressure."""
-        if paused != self.residency.loads_paused:
-            log.warning("loads %s", "paused (memory pressure)" if paused else "resumed")
-        self.residency.loads_paused = paused
+    def follow_pause(self, paused: Callable[[], bool]) -> None:
+        """Read whether new loads are paused from ``paused``: the pressure guard's answer
+        (``PressureGuard.loads_paused``, its one owner), asked each time a load checks. A
+        paused load waits for the resume up to ``settings.load_pause_wait``, then fails with
+        503 MemoryPressure."""
+        self.residency.paused_by = paused
 
     async def _run_ticker(self) -> None:
         while True:

@@ -120,7 +120,9 @@ class Residency:
         # The context a request asked a model to be loaded with (Ollama's num_ctx,
         # ``Scheduler.fit_context``): it sizes the model's loads until the model is unloaded.
         self.ctx_wanted: dict[str, int] = {}
-        self.loads_paused = False  # set by the pressure guard (Scheduler.pause_loads)
+        # Whether loads are paused under memory pressure: the pressure guard's answer, read
+        # each time (``Scheduler.follow_pause``; the guard owns it, nothing here copies it).
+        self.paused_by: Callable[[], bool] = _never
         # A decision's one reading of each runner (``one_reading``), per thread: the
         # monitor's sampling thread measures on its own.
         self._reading = threading.local()
@@ -131,6 +133,11 @@ class Residency:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
+
+    @property
+    def loads_paused(self) -> bool:
+        """Whether the pressure guard pauses new loads now (``paused_by``)."""
+        return self.paused_by()
 
     def bind_loop(self) -> None:
         if self._loop is None:
@@ -685,6 +692,10 @@ class Residency:
 
 def no_server_bytes() -> int:
     return 0
+
+
+def _never() -> bool:
+    return False  # no pressure guard: loads are never paused
 
 
 def retrieve(task: asyncio.Task[Any]) -> None:

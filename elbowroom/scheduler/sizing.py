@@ -147,6 +147,7 @@ def start_options(settings: Settings, spec: ModelSpec, plan: Plan) -> EngineOpti
         mlock=settings.mlock,
         # The engine's RAM prompt cache: a grant from the budget, never the engine's default.
         cache_ram_bytes=plan.cache_grant,
+        prompt_cache_log=True,  # counted from the runner's engine log (engines/llama_log.py)
         kv_cache=settings.kv_cache,
         kv_cache_dir=str(settings.kv_cache_path),
         kv_disk_max=settings.kv_disk_max,

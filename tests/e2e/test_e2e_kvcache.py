@@ -66,3 +66,44 @@ def test_cache_hit_and_disk_tier_after_restart(
     (row,) = [r for r in restarted.ps() if r["id"] == MODEL]
     kv = row["engine_stats"]["kv_cache"]
     assert kv["hits_disk"] == 1 and kv["restored"] == 1 and kv["entries_disk"] >= 1
+
+
+def test_the_ram_tier_is_the_engines_own_prompt_cache(server_factory: ServerFactory) -> None:
+    """One slot: another conversation takes it, so the engine keeps the first one's prompt
+    state in its RAM prompt cache and loads it back when the first conversation returns.
+    /api/ps, /api/elbowroom/ps, the dashboard's document and /metrics show the engine's own
+    counts of that cache (read from its log: engines/llama_log.py)."""
+    server = server_factory("--ctx", "1024", "--slots", "1")
+    first = ask(server, QUESTION)
+    ask(server, OTHER)  # the same slot: the engine saves QUESTION's state in its cache
+    again = ask(server, QUESTION)
+    n_prompt = first.usage.prompt_tokens if first.usage is not None else 0
+    assert cached(again) == (n_prompt - 1) // 64 * 64  # loaded back from the engine's cache
+
+    (row,) = [r for r in server.ps() if r["id"] == MODEL]
+    kv = row["engine_stats"]["kv_cache"]
+    assert kv["hits_ram"] >= 1 and kv["hits"]["ram"] == kv["hits_ram"]
+    assert kv["lookups_ram"] >= 2  # OTHER found nothing better, QUESTION found its state
+    assert kv["entries_ram"] >= 1 and kv["bytes_ram"] > 0  # OTHER's state, saved now
+    assert kv["ram_budget"] == row["engine_stats"]["prompt_cache_grant"] > 0
+    with server.http() as http:
+        (ollama,) = [m for m in http.get("/api/ps").json()["models"] if m["id"] == MODEL]
+        assert ollama["engine_stats"]["kv_cache"]["hits_ram"] == kv["hits_ram"]
+        doc = http.get("/api/elbowroom/dashboard").json()
+        (view,) = [m for m in doc["models"] if m["id"] == MODEL]
+        ram = next(t for t in view["kv"]["tiers"] if t["tier"] == "ram")
+        assert ram["hits"] >= 1 and ram["entries"] >= 1 and ram["bytes"] > 0
+        assert ram["budget"] == kv["ram_budget"]
+        assert view["kv"]["hits"] >= 1 and view["kv"]["hit_rate"] is not None
+        metrics = http.get("/metrics").text
+    label = f'model="{MODEL}",tier="ram"'
+
+    def sample(name: str) -> float:
+        (line,) = [ln for ln in metrics.splitlines() if ln.startswith(name) and label in ln]
+        return float(line.rsplit(" ", 1)[1])
+
+    assert sample("elbowroom_kv_cache_hits_total") >= 1
+    assert sample("elbowroom_kv_cache_bytes") > 0
+    # The engine's info lines stay out of the server's log at the default log level.
+    # (a request its slot holds whole makes llama.cpp warn "n_past was set to ...")
+    assert "prompt cache" not in server.log() and "n_past" not in server.log()

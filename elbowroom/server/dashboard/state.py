@@ -123,7 +123,10 @@ def pools(
 
 
 def kv_summary(stats: Mapping[str, Any]) -> dict[str, Any] | None:
-    """KV cache tiers and the hit rate, from a runner's engine stats (None: no cache)."""
+    """KV cache tiers and the hit rate, from a runner's engine stats (None: no cache). A
+    llama.cpp runner's RAM tier is the engine's own prompt cache (engines/llama_log.py),
+    whose lookups that found nothing (``misses_ram``) count as misses too: the rate is over
+    lookups in either tier."""
     kv = stats.get("kv_cache")
     if not isinstance(kv, Mapping):
         return None
@@ -141,7 +144,7 @@ def kv_summary(stats: Mapping[str, Any]) -> dict[str, Any] | None:
                 "budget": kv.get("ram_budget" if tier == "ram" else "disk_max"),
             }
         )
-    misses = int(kv.get("misses") or 0)
+    misses = int(kv.get("misses") or 0) + int(kv.get("misses_ram") or 0)
     lookups = hits + misses
     return {
         "tiers": tiers,

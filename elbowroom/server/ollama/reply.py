@@ -1,5 +1,5 @@
 """The body of one Ollama /api/chat or /api/generate answer: its NDJSON chunks and the
-final object with Ollama's counts and durations (server/stream/relay.py ``OllamaRewriter`` feeds
+final object with Ollama's counts and durations (server/ollama/rewriter.py ``OllamaRewriter`` feeds
 it the engine's events; errors after the first byte are the stream's last line)."""
 
 from __future__ import annotations

@@ -34,12 +34,13 @@ from elbowroom.server.http.parsed_json import ParsedJSONRoute
 from elbowroom.server.ollama import models as views
 from elbowroom.server.ollama import shapes
 from elbowroom.server.ollama.reply import NdjsonStream, Reply, Timing
+from elbowroom.server.ollama.rewriter import OllamaRewriter
 from elbowroom.server.openai.embeddings_routes import check_inputs
 from elbowroom.server.openai.images import check_chat_images
 from elbowroom.server.openai.schemas import ChatCompletionRequest, CompletionRequest, refuse_absurd
 from elbowroom.server.openai.text_calls import engine_request
 from elbowroom.server.stream.model_calls import run_once
-from elbowroom.server.stream.relay import OllamaRewriter, Relay
+from elbowroom.server.stream.relay import Relay
 from elbowroom.server.stream.sse import ClientGone, gone_response, unless_client_leaves
 
 log = logging.getLogger("elbowroom.server")

@@ -17,11 +17,12 @@ from elbowroom.server.deps import get_services, parse_keep_alive
 from elbowroom.server.http.metrics import record_model
 from elbowroom.server.http.parsed_json import ParsedJSONRoute
 from elbowroom.server.openai.images import check_chat_images
+from elbowroom.server.openai.rewriter import OpenAIRewriter
 from elbowroom.server.openai.schemas import ChatCompletionRequest, CompletionRequest, refuse_absurd
 from elbowroom.server.openai.shapes import Envelope, Logprobs
 from elbowroom.server.openai.text_calls import engine_request
 from elbowroom.server.stream.model_calls import alias_target
-from elbowroom.server.stream.relay import OpenAIRewriter, Relay
+from elbowroom.server.stream.relay import Relay
 from elbowroom.server.stream.sse import ManagedStream, gone_response
 
 log = logging.getLogger("elbowroom.server")

@@ -9,12 +9,15 @@ Every chat and completion request, OpenAI's or Ollama's, streamed or not, goes t
    the runner). The first events are read before any byte goes to the client, so errors
    that happen up front (unknown model, 507, queue full, a prompt over the context) keep
    their real HTTP status.
-2. A rewriter turns the events into what the client reads: ``OpenAIRewriter`` (chat chunks
-   and completions: the model's name, cached_tokens in whole blocks, usage only when asked;
-   logprobs in the client's shape, emulated tool calls parsed at the end, a transcript
-   chat's completion events as chat chunks) or ``OllamaRewriter`` (NDJSON lines and the
-   final object with Ollama's counts). ``Relay.stream`` yields its bytes; ``Relay.collect``
-   feeds it the same events and returns the one answer of a non-streamed request.
+2. A rewriter turns the events into what the client reads. Each protocol supplies its own
+   (``Relay.open`` takes a factory of ``Rewriter``; the relay imports no protocol):
+   server/openai/rewriter.py ``OpenAIRewriter`` (chat chunks and completions: the model's
+   name, cached_tokens in whole blocks, usage only when asked; logprobs in the client's
+   shape, emulated tool calls parsed at the end, a transcript chat's completion events as
+   chat chunks) or server/ollama/rewriter.py ``OllamaRewriter`` (NDJSON lines and the final
+   object with Ollama's counts). Both assemble the answer with this module's ``Answer``.
+   ``Relay.stream`` yields its bytes; ``Relay.collect`` feeds it the same events and
+   returns the one answer of a non-streamed request.
 3. ``Relay.release``, the one end of the request's lifetime, whatever ended it (done, the
    client gone, an error, hard memory pressure, the runner's death, a cancelled task): the
    engine connection closes (the engine cancels a generation whose reader left), the
@@ -36,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from contextlib import AsyncExitStack
@@ -49,20 +51,13 @@ from starlette.requests import Request
 from elbowroom.engines.llama import resumable, translate_error
 from elbowroom.engines.llama_tools import parse as parse_tool_reply
 from elbowroom.engines.requests import TextRequest, TextTicket
-from elbowroom.errors import ElbowroomError, EngineError
+from elbowroom.errors import EngineError
 from elbowroom.runtime.engine_events import Preempted, text_events
-from elbowroom.server.errors import public_error
 from elbowroom.server.http.metrics import record_tokens
-from elbowroom.server.http.ollama_paths import error_body
-from elbowroom.server.ollama.reply import Reply
-from elbowroom.server.openai.shapes import Envelope, Logprobs
 from elbowroom.server.stream.resume import Resume
-from elbowroom.server.stream.sse import DONE, ClientGone, sse, unless_client_leaves
+from elbowroom.server.stream.sse import ClientGone, unless_client_leaves
 
 log = logging.getLogger("elbowroom.server")
-
-_MODEL = re.compile(rb'"model":"(?:[^"\\]|\\.)*"')
-_PROGRESS = b'"prompt_progress"'
 
 
 class Scheduler(Protocol):
@@ -391,226 +386,3 @@ def parse_events(block: bytes) -> Iterator[dict[str, Any] | None]:
             continue
         data = event[6:]
         yield None if data == b"[DONE]" else json.loads(data)
-
-
-# ---- OpenAI ---------------------------------------------------------------------------------
-
-
-class OpenAIRewriter:
-    """The engine's events as OpenAI's chat chunks or completions.
-
-    A plain request (no logprobs, no emulated tools, no transcript) is relayed nearly byte
-    for byte: the ``model`` field gets elbowroom's id, the usage event gets its
-    cached_tokens rounded and loses the engine's ``timings``, and without
-    ``stream_options.include_usage`` the usage is dropped. The others are rendered piece by
-    piece with ``shapes.Envelope``: logprobs in the client's shape (chat's, or the legacy
-    completions shape), a transcript chat's completion events as chat chunks, emulated tool
-    calls (or the content object) parsed from the whole reply and sent as one chunk before
-    the last, so a stream adds up to the whole answer."""
-
-    def __init__(
-        self,
-        ticket: TextTicket,
-        envelope: Envelope,
-        include_usage: bool,
-        view: Logprobs | None,
-        *,
-        streamed: bool,
-    ) -> None:
-        self.envelope = envelope
-        self.include_usage = include_usage
-        self.view = view
-        self.emulated = ticket.emulated_tools
-        chat_events = envelope.kind == "chat" and not ticket.transcript
-        self.answered = Answer(envelope.model, chat_events, ticket.block_tokens)
-        self.streamed = streamed
-        self.plain = streamed and view is None and not self.emulated and not ticket.transcript
-        self.done = False
-        self.model_field = b'"model":' + json.dumps(envelope.model).encode()
-        self.engine_model: bytes | None = None  # the engine's own "model" field, once seen
-
-    def start(self) -> bytes:
-        if self.plain or self.envelope.kind != "chat":
-            return b""
-        return sse(self.envelope.chunk("", first=True, include_usage=self.include_usage))
-
-    def error(self, err: BaseException) -> bytes:
-        return sse(public_error(err, f"stream on {self.envelope.model}").to_openai())
-
-    def feed(self, block: bytes) -> bytes:
-        if self.plain:
-            return self._relayed(block)
-        out = []
-        for chunk in parse_events(block):
-            if chunk is None:
-                self.done = True
-                if self.streamed:
-                    out.append(self._ending())
-                break
-            piece = self.answered.take(chunk)
-            if self.streamed:
-                out.append(self._rendered(piece))
-        return b"".join(out)
-
-    # -- byte for byte
-
-    def _relayed(self, block: bytes) -> bytes:
-        if self.engine_model is None:
-            found = _MODEL.search(block)
-            if found is not None:
-                self.engine_model = found.group(0)
-        # No such key can occur unescaped inside a JSON string: a plain substring test is
-        # exact, and the common event (one token) takes the fast path.
-        if (
-            b'"usage"' not in block
-            and b'"error"' not in block
-            and b"[DONE]" not in block
-            and _PROGRESS not in block
-        ):
-            return self._renamed(block)
-        out = []
-        for event in block.split(b"\n\n"):
-            if not event.startswith(b"data: "):
-                continue
-            data = event[6:]
-            if data == b"[DONE]":
-                out.append(DONE)
-                self.done = True
-                break
-            if _PROGRESS in data:
-                continue  # a prompt batch done (engines/llama.py asks for them): no news
-            if b'"usage"' in data or b'"error"' in data:
-                out.append(self._special(json.loads(data)))
-                continue
-            out.append(self._renamed(data).join((b"data: ", b"\n\n")))
-        return b"".join(out)
-
-    def _renamed(self, data: bytes) -> bytes:
-        if self.engine_model is None:
-            return data
-        return data.replace(self.engine_model, self.model_field)
-
-    def _special(self, chunk: dict[str, Any]) -> bytes:
-        usage = chunk.get("usage")
-        self.answered.take({k: v for k, v in chunk.items() if k != "choices"})
-        chunk.pop("timings", None)
-        if isinstance(usage, dict):
-            details = usage.get("prompt_tokens_details")
-            if isinstance(details, dict) and "cached_tokens" in details:
-                details["cached_tokens"] = self.answered.usage["cached_tokens"]
-        if not self.include_usage:
-            chunk.pop("usage", None)
-        if "model" in chunk:
-            chunk["model"] = self.envelope.model
-        if not chunk.get("choices") and "usage" not in chunk:
-            return b""  # the usage-only event of a client that did not ask for usage
-        return sse(chunk)
-
-    # -- piece by piece
-
-    def _rendered(self, piece: Piece) -> bytes:
-        if self.emulated or not self.streamed_piece(piece):
-            return b""
-        view = self.view
-        return sse(
-            self.envelope.chunk(
-                piece.text if piece.text or self.envelope.kind == "completion" else None,
-                include_usage=self.include_usage,
-                tool_calls=piece.calls or None,
-                logprobs=view.render(piece.logprobs) if view and piece.logprobs else None,
-                reasoning=piece.reasoning or None,
-            )
-        )
-
-    def streamed_piece(self, piece: Piece) -> bool:
-        return bool(piece.text or piece.calls or piece.reasoning or (piece.logprobs and self.view))
-
-    def _ending(self) -> bytes:
-        result = self.answered.result(self.emulated)
-        env, include = self.envelope, self.include_usage
-        out = []
-        if self.emulated:  # the whole reply, parsed: its calls or its content, at the end
-            calls = result.get("tool_calls")
-            entries = result.get("logprobs") or []
-            if calls or result["text"] or entries:
-                out.append(
-                    env.chunk(
-                        result["text"] or (None if env.kind == "chat" else ""),
-                        include_usage=include,
-                        tool_calls=[{"index": i, **c} for i, c in enumerate(calls or ())] or None,
-                        logprobs=self.view.render(entries) if self.view and entries else None,
-                    )
-                )
-        out.append(env.chunk(None, result["finish_reason"], include_usage=include))
-        if include:
-            out.append(env.usage_chunk(result["usage"]))
-        return b"".join(sse(c) for c in out) + DONE
-
-    def answer(self) -> dict[str, Any]:
-        result = self.answered.result(self.emulated)
-        view = self.view
-        return self.envelope.response(
-            result["text"],
-            result["finish_reason"],
-            result["usage"],
-            tool_calls=result.get("tool_calls"),
-            logprobs=view.render(result.get("logprobs") or []) if view is not None else None,
-            reasoning=result.get("reasoning"),
-        )
-
-
-# ---- Ollama ---------------------------------------------------------------------------------
-
-
-class OllamaRewriter:
-    """The engine's events as Ollama's NDJSON lines (/api/chat, /api/generate): a line per
-    piece of text, the tool calls, then the final object with Ollama's counts and durations
-    (``ollama_reply.Reply``). Collected: the one final object with the whole text."""
-
-    def __init__(self, ticket: TextTicket, reply: Reply, kind: str, model_id: str) -> None:
-        self.reply = reply
-        self.emulated = ticket.emulated_tools
-        chat_events = kind == "chat" and not ticket.transcript  # /api/generate may be a chat
-        self.answered = Answer(model_id, chat_events, ticket.block_tokens)
-        self.done = False
-
-    def start(self) -> bytes:
-        return b""
-
-    def error(self, err: BaseException) -> bytes:
-        if isinstance(err, ElbowroomError):
-            return _line(error_body(err))
-        log.error("unexpected error while streaming", exc_info=err)
-        return _line({"error": "The server had an unexpected error; it has been logged."})
-
-    def feed(self, block: bytes) -> bytes:
-        out = []
-        for chunk in parse_events(block):
-            if chunk is None:
-                self.done = True
-                result = self.answered.result(self.emulated)
-                if self.emulated and result["text"]:
-                    line = self.reply.chunk({"text": result["text"]})
-                    if line is not None:
-                        out.append(_line(line))
-                tools = self.reply.tool_chunk(result)
-                if tools is not None:
-                    out.append(_line(tools))
-                out.append(_line(self.reply.final(result, include_text=False)))
-                break
-            piece = self.answered.take(chunk)
-            if self.emulated:
-                continue
-            line = self.reply.chunk({"text": piece.text, "logprobs": piece.logprobs})
-            if line is not None:
-                out.append(_line(line))
-        return b"".join(out)
-
-    def answer(self) -> dict[str, Any]:
-        result = self.answered.result(self.emulated)
-        final: dict[str, Any] = self.reply.final(result, include_text=True)
-        return final
-
-
-def _line(obj: dict[str, Any]) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -56,8 +57,8 @@ class Recorder:
         self.calls.append(("set_pressure", model, level))
         self.loaded = [replace(m, runner_level=level) if m.id == model else m for m in self.loaded]
 
-    def pause_loads(self, paused: bool) -> None:
-        self.calls.append(("pause_loads", paused))
+    def follow_pause(self, paused: Callable[[], bool]) -> None:
+        self.paused = paused  # the guard's answer, read as the scheduler reads it
 
     async def unload(self, model: str) -> None:
         self.calls.append(("unload", model))
@@ -79,7 +80,7 @@ async def test_soft_pauses_loads_and_unloads_the_lru_idle_model() -> None:
     guard = PressureGuard(target)
     actions = await guard.apply(sample(900, Pressure.SOFT))
     await settle()
-    assert ("pause_loads", True) in target.calls
+    assert target.paused()
     assert ("unload", "old") in target.calls and ("unload", "new") not in target.calls
     assert ("set_pressure", "busy", Pressure.SOFT) in target.calls
     assert guard.loads_paused and guard.admission_open()
@@ -126,7 +127,7 @@ async def test_hard_closes_admission_until_back_under_soft() -> None:
     await guard.apply(sample(500, Pressure.NORMAL))
     assert guard.admission_open() and not guard.loads_paused
     guard.check_admission()
-    assert ("pause_loads", False) in target.calls
+    assert not target.paused() and "resume_loads" in [e.kind for e in guard.events()]
     assert target.calls[-1] == ("set_pressure", "x", Pressure.NORMAL)
 
 

@@ -4,6 +4,7 @@ kill order it writes to its target; the target is a recording stand-in for the s
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -47,7 +48,7 @@ class Recorder:
     def set_pressure(self, model: str, level: Pressure) -> None:
         pass
 
-    def pause_loads(self, paused: bool) -> None:
+    def follow_pause(self, paused: Callable[[], bool]) -> None:
         pass
 
     async def unload(self, model: str) -> None:

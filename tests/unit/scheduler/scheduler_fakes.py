@@ -307,6 +307,11 @@ class Harness:
     clock: FakeClock
     runners: list[FakeRunner]
     measured: FakeMeasurements
+    paused: bool = False  # the pressure guard's answer, as the scheduler follows it
+
+    def pause_loads(self, paused: bool) -> None:
+        """Stand in for the pressure guard pausing (or resuming) new loads."""
+        self.paused = paused
 
     def runner(self, model_id: str) -> FakeRunner:
         """The latest runner made for ``model_id``."""
@@ -360,7 +365,9 @@ def harness(
         estimator=estimator,
         when_idle=when_idle,
     )
-    return Harness(sched, machine, clock, runners, measured)
+    h = Harness(sched, machine, clock, runners, measured)
+    sched.follow_pause(lambda: h.paused)
+    return h
 
 
 def run(coro: Coroutine[Any, Any, Any], timeout: float = 20.0) -> Any:

@@ -708,14 +708,14 @@ def test_paused_loads_wait_then_fail_with_503() -> None:
         # before a client's own timeout
         h = harness(A, B, load_pause_wait=1.0)
         await request(h, "a")
-        h.sched.pause_loads(True)
+        h.pause_loads(True)
         assert await request(h, "a") == "ok"  # loaded models still serve
         start = h.clock.now
         with pytest.raises(MemoryPressure) as err:
             await request(h, "b")
         assert 1.0 <= h.clock.now - start < 2.0
         assert err.value.status == 503 and err.value.retry_after == 5.0
-        h.sched.pause_loads(False)
+        h.pause_loads(False)
         assert await request(h, "b") == "ok"
 
     run(scenario())
@@ -727,7 +727,7 @@ def test_a_paused_load_that_cannot_fit_is_507_at_once() -> None:
         # pause must not turn it into load_pause_wait seconds of waiting for the same answer.
         h = harness(A, M4, pin=("a",), load_pause_wait=1000.0)
         await request(h, "a")
-        h.sched.pause_loads(True)
+        h.pause_loads(True)
         start = h.clock.now
         with pytest.raises(InsufficientMemory) as err:
             await request(h, "m4")
@@ -741,12 +741,12 @@ def test_a_paused_load_resumes_when_the_pause_ends_and_loaded_models_serve_meanw
     async def scenario() -> None:
         h = harness(A, B, load_pause_wait=1000.0)
         await request(h, "a")
-        h.sched.pause_loads(True)
+        h.pause_loads(True)
         load = asyncio.create_task(request(h, "b"))
         await until(lambda: h.clock.now > 1001)  # b's load is waiting on the pause
         assert await request(h, "a") == "ok"  # never waits on b's paused load
         assert not load.done() and h.loaded() == ["a"]
-        h.sched.pause_loads(False)
+        h.pause_loads(False)
         assert await load == "ok"
         assert "b" in h.loaded()
 

@@ -146,6 +146,17 @@ def test_models_have_slots_queue_countdown_and_kv_hit_rate() -> None:
     ]
 
 
+def test_the_engines_prompt_cache_lookups_that_found_nothing_are_misses() -> None:
+    # A llama.cpp runner's RAM tier is the engine's own prompt cache (engines/llama_log.py):
+    # its lookups that found no better state count in the hit rate beside the disk tier's.
+    kv = {**ROW["engine_stats"]["kv_cache"], "misses_ram": 4, "lookups_ram": 7}
+    summary = dashboard_state.kv_summary({"kv_cache": kv})
+    assert summary is not None
+    assert summary["hits"] == 4 and summary["misses"] == 8 and summary["hit_rate"] == 4 / 12
+    ram = summary["tiers"][0]
+    assert ram == {"tier": "ram", "entries": 2, "bytes": 5 * MiB, "hits": 3, "budget": 64 * MiB}
+
+
 def test_timeline_is_the_window_after_since_and_events_merge_by_time() -> None:
     samples = [
         sample(NOW - 700, 1, Pressure.NORMAL),

@@ -19,8 +19,10 @@ import pytest
 from elbowroom.engines.requests import CloseTicket, Payload, TextRequest, TextTicket
 from elbowroom.errors import ContextOverflow
 from elbowroom.server.ollama.reply import Reply, Timing
+from elbowroom.server.ollama.rewriter import OllamaRewriter
+from elbowroom.server.openai.rewriter import OpenAIRewriter
 from elbowroom.server.openai.shapes import Envelope, Logprobs
-from elbowroom.server.stream.relay import OllamaRewriter, OpenAIRewriter, Relay, Rewriter
+from elbowroom.server.stream.relay import Relay, Rewriter
 
 ENGINE_MODEL = "/models/SmolLM2.gguf"
 MODEL = "smollm2-135m"
