@@ -243,6 +243,11 @@ class Rec:
     tokens: int = 0
     prompt_tokens: int = 0
     attempts: list[str] = field(default_factory=list)  # each try: "200", "503", "dropped" ...
+    # The engine's own timings of the prefill (llama-server's ``timings``, relayed by both
+    # systems): tokens computed, tokens reused from a cache, and the prefill's milliseconds.
+    prefill_tokens: int | None = None
+    cached_tokens: int | None = None
+    prefill_ms: float | None = None
 
 
 def classify(status: int, error: str, first: bool, finished: bool, behaviour: str) -> str:
@@ -577,6 +582,11 @@ class Client:
                     if choices and choices[0].get("finish_reason") and not first:
                         rec.ttft = time.monotonic() - sent  # no text at all: the answer is whole
                         first = True
+                    timings = chunk.get("timings")
+                    if isinstance(timings, dict) and "prompt_n" in timings:
+                        rec.prefill_tokens = int(timings.get("prompt_n") or 0)
+                        rec.cached_tokens = int(timings.get("cache_n") or 0)
+                        rec.prefill_ms = float(timings.get("prompt_ms") or 0.0)
                     usage = chunk.get("usage")
                     if usage:
                         rec.tokens = int(usage.get("completion_tokens") or 0)
