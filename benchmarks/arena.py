@@ -875,8 +875,10 @@ def footprints(plan: Plan, work: Path) -> tuple[dict[str, int], int, int]:
             rows = http.get("/api/elbowroom/ps").json()["models"]
             row = next(r for r in rows if r["id"] == m)
             sizes[m] = int(row["bytes"])
-            kv = (row.get("engine_stats") or {}).get("kv_cache") or {}
-            grant = max(grant, int(kv.get("ram_budget") or 0))
+            stats = row.get("engine_stats") or {}
+            kv = stats.get("kv_cache") or {}
+            # the engine's RAM prompt cache (llama.cpp's cache_ram): its grant from the budget
+            grant = max(grant, int(stats.get("prompt_cache_grant") or kv.get("ram_budget") or 0))
             http.post(f"/api/models/{m}/unload").raise_for_status()
             log(f"  {m}: {sizes[m] >> 20} MiB")
         http.close()
