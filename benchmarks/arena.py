@@ -79,6 +79,9 @@ from synth_models import Shape  # noqa: E402
 RESULTS = Path(__file__).parent / "results"
 SYSTEMS = ("elbowroom", "router", "router-tuned")
 PHASES = ("work", "neighbour", "swap")
+# The recorded run's cells; S/swap holds the headline target (first token after a switch).
+CELLS = ("L/work", "M/neighbour", "S/work", "S/swap")
+QUICK_CELLS = CELLS[:3]  # --quick: under 10 minutes
 BUNDLED = ("smollm2-135m", "gemma3-270m")
 # Held-out shapes of 300-900 MiB: wide embedding and output matrices (memory) over two
 # layers, so that a 1,500-token prefill costs no more than SmolLM2's on 2 shared cores.
@@ -1165,7 +1168,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="1 seed, shorter sessions (< 10 min)")
     ap.add_argument("--seeds", default="1,2,3")
-    ap.add_argument("--cells", default="L/work,M/neighbour,S/work")
+    ap.add_argument(
+        "--cells",
+        help=f"SIZE/PHASE,... (default {','.join(CELLS)}; --quick: {','.join(QUICK_CELLS)})",
+    )
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--turns", type=int, default=4)
@@ -1191,7 +1197,8 @@ def main(argv: list[str] | None = None) -> int:
     turns, max_tokens, cell_s = args.turns, args.max_tokens, args.cell_seconds
     if args.quick:
         seeds, turns, max_tokens, cell_s = seeds[:1], 3, 8, 30.0
-    cells = [tuple(c.split("/")) for c in args.cells.split(",")]
+    chosen = args.cells or ",".join(QUICK_CELLS if args.quick else CELLS)
+    cells = [tuple(c.split("/")) for c in chosen.split(",")]
     systems = args.systems.split(",")
 
     import xllamacpp
@@ -1229,7 +1236,10 @@ def main(argv: list[str] | None = None) -> int:
         from elbowroom.config import load_settings
 
         plan.cache_ram_mib = (grant or load_settings(environ={}).kv_ram_max) >> 20
-        log(f"containers: { {k: v >> 20 for k, v in plan.sizes.items()} } MiB")
+        log(
+            f"containers: { {k: v >> 20 for k, v in plan.sizes.items()} } MiB; "
+            f"router-tuned --cache-ram {plan.cache_ram_mib} MiB (elbowroom's largest grant)"
+        )
         results: list[dict[str, Any]] = []
         for seed in seeds:
             for size, phase in cells:
@@ -1257,8 +1267,9 @@ def main(argv: list[str] | None = None) -> int:
         meta = {
             "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{os.cpu_count()} cores",
-            "command": "sudo .venv/bin/python benchmarks/arena.py"
-            + (" --quick" if args.quick else ""),
+            "command": " ".join(
+                ["sudo .venv/bin/python benchmarks/arena.py", *(argv or sys.argv[1:])]
+            ),
             "seeds": seeds,
             "sizes": plan.sizes,
             "fits": plan.fits,
