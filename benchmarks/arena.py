@@ -246,8 +246,10 @@ class Rec:
     tokens: int = 0
     prompt_tokens: int = 0
     attempts: list[str] = field(default_factory=list)  # each try: "200", "503", "dropped" ...
-    # The engine's own timings of the prefill (llama-server's ``timings``, relayed by both
-    # systems): tokens computed, tokens reused from a cache, and the prefill's milliseconds.
+    # The engine's own timings of the prefill (llama-server's ``timings``; the router
+    # relays them): tokens computed, tokens reused from a cache, the prefill's milliseconds.
+    # elbowroom answers in OpenAI's shape: cached tokens only (usage.prompt_tokens_details,
+    # in whole cache blocks).
     prefill_tokens: int | None = None
     cached_tokens: int | None = None
     prefill_ms: float | None = None
@@ -292,6 +294,8 @@ def summarize(recs: Sequence[Rec], wall: float) -> dict[str, Any]:
     failed = Counter(r.failure for r in recs if r.outcome == "failed")
     ttft = [r.ttft for r in served if r.ttft is not None]
     switch = [r.ttft for r in served if r.ttft is not None and r.switch]
+    # tokens a switch's prompt did not recompute (restored from a cache: the KV tiers)
+    reused = [float(r.cached_tokens) for r in served if r.switch and r.cached_tokens is not None]
     tokens = sum(r.tokens for r in served)
     return {
         "requests": len(recs),
@@ -309,6 +313,7 @@ def summarize(recs: Sequence[Rec], wall: float) -> dict[str, Any]:
         "switch_ttft_p50": percentile(switch, 50),
         "switch_ttft_p95": percentile(switch, 95),
         "switch_n": len(switch),
+        "switch_cached_p50": percentile(reused, 50),
         "tokens": tokens,
         "tok_s": tokens / wall if wall > 0 else 0.0,
         "wall_s": wall,
@@ -594,6 +599,10 @@ class Client:
                     if usage:
                         rec.tokens = int(usage.get("completion_tokens") or 0)
                         rec.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                        # OpenAI's field (elbowroom relays no engine timings: whole blocks)
+                        details = usage.get("prompt_tokens_details") or {}
+                        if rec.cached_tokens is None and "cached_tokens" in details:
+                            rec.cached_tokens = int(details["cached_tokens"] or 0)
                 if first and rec.behaviour != "read":
                     rec.tokens = max(rec.tokens, 1)
         except httpx.TimeoutException as exc:
@@ -924,6 +933,7 @@ METRICS = (
     "ttft_p95",
     "switch_ttft_p50",
     "switch_ttft_p95",
+    "switch_cached_p50",
     "tok_s",
     "peak_bytes",
     "wall_s",
@@ -1046,11 +1056,14 @@ def markdown(result: dict[str, Any]) -> str:
         "(after the client's retries; cut: still running 15 s after the window closed, when "
         "the server was stopped — not a failure); 5xx tries counts every 5xx answer, retried "
         "or not. Kills: the cgroup's OOM-kill counter summed over seeds. First token in "
-        "seconds; load: the 1-minute load average before the cell.",
+        "seconds; its cached tokens: the median prompt tokens a switch's request did not "
+        "recompute (the router's own `timings`; elbowroom's usage, in whole cache blocks); "
+        "load: the 1-minute load average before the cell.",
         "",
         "| container | phase | system | served | refused | failed | cut | 5xx tries | OOM kills "
-        "| first token p50 | p95 | after a switch p50 | p95 | tok/s | peak MiB | wall s | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| first token p50 | p95 | after a switch p50 | p95 | its cached tokens | tok/s "
+        "| peak MiB | wall s | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -1059,7 +1072,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {_fmt(r['cut'], digits=0)} "
             f"| {_fmt(r['attempt_5xx'], digits=0)} | {r['oom_kills_total']} "
             f"| {_fmt(r['ttft_p50'])} | {_fmt(r['ttft_p95'])} | {_fmt(r['switch_ttft_p50'])} "
-            f"| {_fmt(r['switch_ttft_p95'])} | {_fmt(r['tok_s'], digits=1)} "
+            f"| {_fmt(r['switch_ttft_p95'])} | {_fmt(r['switch_cached_p50'], digits=0)} "
+            f"| {_fmt(r['tok_s'], digits=1)} "
             f"| {_fmt(r['peak_bytes'], 1 << 20, 0)} | {_fmt(r['wall_s'], digits=0)} "
             f"| {_fmt(r['load_before'], digits=1)} |"
         )
