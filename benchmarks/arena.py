@@ -79,6 +79,9 @@ from synth_models import Shape  # noqa: E402
 RESULTS = Path(__file__).parent / "results"
 SYSTEMS = ("elbowroom", "router", "router-tuned")
 PHASES = ("work", "neighbour", "swap")
+# The recorded run's cells; S/swap holds the headline target (first token after a switch).
+CELLS = ("L/work", "M/neighbour", "S/work", "S/swap")
+QUICK_CELLS = CELLS[:3]  # --quick: under 10 minutes
 BUNDLED = ("smollm2-135m", "gemma3-270m")
 # Held-out shapes of 300-900 MiB: wide embedding and output matrices (memory) over two
 # layers, so that a 1,500-token prefill costs no more than SmolLM2's on 2 shared cores.
@@ -243,6 +246,13 @@ class Rec:
     tokens: int = 0
     prompt_tokens: int = 0
     attempts: list[str] = field(default_factory=list)  # each try: "200", "503", "dropped" ...
+    # The engine's own timings of the prefill (llama-server's ``timings``; the router
+    # relays them): tokens computed, tokens reused from a cache, the prefill's milliseconds.
+    # elbowroom answers in OpenAI's shape: cached tokens only (usage.prompt_tokens_details,
+    # in whole cache blocks).
+    prefill_tokens: int | None = None
+    cached_tokens: int | None = None
+    prefill_ms: float | None = None
 
 
 def classify(status: int, error: str, first: bool, finished: bool, behaviour: str) -> str:
@@ -284,6 +294,8 @@ def summarize(recs: Sequence[Rec], wall: float) -> dict[str, Any]:
     failed = Counter(r.failure for r in recs if r.outcome == "failed")
     ttft = [r.ttft for r in served if r.ttft is not None]
     switch = [r.ttft for r in served if r.ttft is not None and r.switch]
+    # tokens a switch's prompt did not recompute (restored from a cache: the KV tiers)
+    reused = [float(r.cached_tokens) for r in served if r.switch and r.cached_tokens is not None]
     tokens = sum(r.tokens for r in served)
     return {
         "requests": len(recs),
@@ -301,6 +313,7 @@ def summarize(recs: Sequence[Rec], wall: float) -> dict[str, Any]:
         "switch_ttft_p50": percentile(switch, 50),
         "switch_ttft_p95": percentile(switch, 95),
         "switch_n": len(switch),
+        "switch_cached_p50": percentile(reused, 50),
         "tokens": tokens,
         "tok_s": tokens / wall if wall > 0 else 0.0,
         "wall_s": wall,
@@ -577,10 +590,19 @@ class Client:
                     if choices and choices[0].get("finish_reason") and not first:
                         rec.ttft = time.monotonic() - sent  # no text at all: the answer is whole
                         first = True
+                    timings = chunk.get("timings")
+                    if isinstance(timings, dict) and "prompt_n" in timings:
+                        rec.prefill_tokens = int(timings.get("prompt_n") or 0)
+                        rec.cached_tokens = int(timings.get("cache_n") or 0)
+                        rec.prefill_ms = float(timings.get("prompt_ms") or 0.0)
                     usage = chunk.get("usage")
                     if usage:
                         rec.tokens = int(usage.get("completion_tokens") or 0)
                         rec.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                        # OpenAI's field (elbowroom relays no engine timings: whole blocks)
+                        details = usage.get("prompt_tokens_details") or {}
+                        if rec.cached_tokens is None and "cached_tokens" in details:
+                            rec.cached_tokens = int(details["cached_tokens"] or 0)
                 if first and rec.behaviour != "read":
                     rec.tokens = max(rec.tokens, 1)
         except httpx.TimeoutException as exc:
@@ -865,8 +887,10 @@ def footprints(plan: Plan, work: Path) -> tuple[dict[str, int], int, int]:
             rows = http.get("/api/elbowroom/ps").json()["models"]
             row = next(r for r in rows if r["id"] == m)
             sizes[m] = int(row["bytes"])
-            kv = (row.get("engine_stats") or {}).get("kv_cache") or {}
-            grant = max(grant, int(kv.get("ram_budget") or 0))
+            stats = row.get("engine_stats") or {}
+            kv = stats.get("kv_cache") or {}
+            # the engine's RAM prompt cache (llama.cpp's cache_ram): its grant from the budget
+            grant = max(grant, int(stats.get("prompt_cache_grant") or kv.get("ram_budget") or 0))
             http.post(f"/api/models/{m}/unload").raise_for_status()
             log(f"  {m}: {sizes[m] >> 20} MiB")
         http.close()
@@ -909,6 +933,7 @@ METRICS = (
     "ttft_p95",
     "switch_ttft_p50",
     "switch_ttft_p95",
+    "switch_cached_p50",
     "tok_s",
     "peak_bytes",
     "wall_s",
@@ -1031,11 +1056,14 @@ def markdown(result: dict[str, Any]) -> str:
         "(after the client's retries; cut: still running 15 s after the window closed, when "
         "the server was stopped — not a failure); 5xx tries counts every 5xx answer, retried "
         "or not. Kills: the cgroup's OOM-kill counter summed over seeds. First token in "
-        "seconds; load: the 1-minute load average before the cell.",
+        "seconds; its cached tokens: the median prompt tokens a switch's request did not "
+        "recompute (the router's own `timings`; elbowroom's usage, in whole cache blocks); "
+        "load: the 1-minute load average before the cell.",
         "",
         "| container | phase | system | served | refused | failed | cut | 5xx tries | OOM kills "
-        "| first token p50 | p95 | after a switch p50 | p95 | tok/s | peak MiB | wall s | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| first token p50 | p95 | after a switch p50 | p95 | its cached tokens | tok/s "
+        "| peak MiB | wall s | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -1044,7 +1072,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {_fmt(r['cut'], digits=0)} "
             f"| {_fmt(r['attempt_5xx'], digits=0)} | {r['oom_kills_total']} "
             f"| {_fmt(r['ttft_p50'])} | {_fmt(r['ttft_p95'])} | {_fmt(r['switch_ttft_p50'])} "
-            f"| {_fmt(r['switch_ttft_p95'])} | {_fmt(r['tok_s'], digits=1)} "
+            f"| {_fmt(r['switch_ttft_p95'])} | {_fmt(r['switch_cached_p50'], digits=0)} "
+            f"| {_fmt(r['tok_s'], digits=1)} "
             f"| {_fmt(r['peak_bytes'], 1 << 20, 0)} | {_fmt(r['wall_s'], digits=0)} "
             f"| {_fmt(r['load_before'], digits=1)} |"
         )
@@ -1153,7 +1182,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="1 seed, shorter sessions (< 10 min)")
     ap.add_argument("--seeds", default="1,2,3")
-    ap.add_argument("--cells", default="L/work,M/neighbour,S/work")
+    ap.add_argument(
+        "--cells",
+        help=f"SIZE/PHASE,... (default {','.join(CELLS)}; --quick: {','.join(QUICK_CELLS)})",
+    )
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--turns", type=int, default=4)
@@ -1179,7 +1211,8 @@ def main(argv: list[str] | None = None) -> int:
     turns, max_tokens, cell_s = args.turns, args.max_tokens, args.cell_seconds
     if args.quick:
         seeds, turns, max_tokens, cell_s = seeds[:1], 3, 8, 30.0
-    cells = [tuple(c.split("/")) for c in args.cells.split(",")]
+    chosen = args.cells or ",".join(QUICK_CELLS if args.quick else CELLS)
+    cells = [tuple(c.split("/")) for c in chosen.split(",")]
     systems = args.systems.split(",")
 
     import xllamacpp
@@ -1217,7 +1250,10 @@ def main(argv: list[str] | None = None) -> int:
         from elbowroom.config import load_settings
 
         plan.cache_ram_mib = (grant or load_settings(environ={}).kv_ram_max) >> 20
-        log(f"containers: { {k: v >> 20 for k, v in plan.sizes.items()} } MiB")
+        log(
+            f"containers: { {k: v >> 20 for k, v in plan.sizes.items()} } MiB; "
+            f"router-tuned --cache-ram {plan.cache_ram_mib} MiB (elbowroom's largest grant)"
+        )
         results: list[dict[str, Any]] = []
         for seed in seeds:
             for size, phase in cells:
@@ -1245,8 +1281,9 @@ def main(argv: list[str] | None = None) -> int:
         meta = {
             "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{os.cpu_count()} cores",
-            "command": "sudo .venv/bin/python benchmarks/arena.py"
-            + (" --quick" if args.quick else ""),
+            "command": " ".join(
+                ["sudo .venv/bin/python benchmarks/arena.py", *(argv or sys.argv[1:])]
+            ),
             "seeds": seeds,
             "sizes": plan.sizes,
             "fits": plan.fits,

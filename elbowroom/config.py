@@ -119,6 +119,9 @@ class Settings:
     # seconds a load waits for loads paused under memory pressure before its 503 + Retry-After
     load_pause_wait: float = 15.0
     stop_grace: float = 5.0
+    # How a runner process starts: "forkserver" (forked from a process that imported the
+    # runner's code once) or "spawn" (a fresh interpreter each time; docs/runners.md)
+    runner_start: str = "forkserver"
     crash_backoff_initial: float = 10.0
     crash_backoff_max: float = 300.0
     # --- scheduling
@@ -166,6 +169,9 @@ class Settings:
     kv_cache: bool = True
     kv_cache_dir: Path | None = None  # default: cache dir / "kv"
     kv_ram_max: int = _size(default=512 * 1024**2)  # per runner, fixed at load (MLX: shrinks)
+    # ... and at most this many times the LLM's own KV cache (every slot's context): a small
+    # model's prompt cache need not take room a second model could use (docs/kvcache.md)
+    kv_ram_kv_factor: float = 1.0
     kv_disk_max: int = _size(default=4 * 1024**3)
     kv_block_tokens: int = 64
     # A stream whose slot holds a long prefix another request needs is ended and resumed on
@@ -364,6 +370,10 @@ def _validate(s: Settings) -> None:
     for name in ("max_images", "max_image_bytes", "max_image_pixels", "max_decoded_image_bytes"):
         if getattr(s, name) < 0:
             raise ConfigError(f"{name} must be >= 0, not {getattr(s, name)}")
+    if s.runner_start not in ("forkserver", "spawn"):
+        raise ConfigError(f"runner_start is forkserver or spawn, not {s.runner_start!r}")
+    if s.kv_ram_kv_factor < 0:
+        raise ConfigError(f"kv_ram_kv_factor must be >= 0, not {s.kv_ram_kv_factor}")
     if s.kv_block_tokens < 1:
         raise ConfigError(f"kv_block_tokens must be >= 1, not {s.kv_block_tokens}")
     if s.responses_ttl <= 0 or s.responses_max < 0:

@@ -423,9 +423,10 @@ def _plan_text(
     lines += [f"   try: {tip}" for tip in tips]
     if spec.gguf is not None and fit.ok:
         lines.append(
-            f"9. prompt-cache grant: {fs(grant)} (kv_ram_max {fs(s.kv_ram_max)}, shrunk to the"
-            f" {fs(max(0, limit.ceiling - fp.total))} the model leaves under the ceiling;"
-            " budgeted beside the model, not part of its footprint)"
+            f"9. prompt-cache grant: {fs(grant)} (kv_ram_max {fs(s.kv_ram_max)}, at most"
+            f" {s.kv_ram_kv_factor:g} x the KV cache {fs(fp.kv_bytes)} (kv_ram_kv_factor),"
+            f" shrunk to the {fs(max(0, limit.ceiling - fp.total))} the model leaves under the"
+            " ceiling; budgeted beside the model, not part of its footprint)"
         )
     return "\n".join(lines)
 

@@ -125,19 +125,24 @@ _STAT_KEYS: dict[int, tuple[tuple[str, ...], ...]] = {
 
 
 def reclaimable(version: int, stat: str | None) -> int:
-    """Page cache the kernel reclaims before this cgroup OOMs: the inactive file list, or
-    every file page that is clean and mapped by no process, whichever is more.
+    """Page cache the kernel reclaims before this cgroup OOMs: every file page that is
+    clean and mapped by no process, on either LRU list.
 
-    Inactive alone undercounts: when a process that mapped a model exits (an unload), the
-    kernel moves the pages it had read to the *active* list — measured here, 324 MiB of a
-    461 MiB GGUF — so ``limit − (usage − inactive)`` *fell* by that much because a model
-    was unloaded (issue 24's arena: every swap waited the whole settle timeout). Clean,
-    unmapped file pages are dropped before any OOM kill whichever list holds them; mapped
-    pages (the loaded models' weights) and dirty or in-flight ones are not counted."""
+    Which list a page is on says nothing here, and counting by list made the headroom move
+    while nothing was allocated or freed (issue 24's arena). When a process that mapped a
+    model exits (an unload), the kernel moves the pages it had read to the *active* list —
+    measured here, 324 MiB of a 461 MiB GGUF — so ``limit − (usage − inactive)`` *fell* by
+    that much because a model was unloaded (every swap waited the whole settle timeout).
+    And a freshly loaded model's mapped weights sit on the *inactive* list (428 of its
+    461 MiB) until serving touches them and the kernel activates them: counted while
+    inactive, they left the headroom as the model ran, which the pressure guard read as a
+    neighbour growing 0.24–2.5 GiB/s and paused the next load for up to 0.9 s. Mapped pages
+    (the loaded models' weights, counted in their runners' bytes) and dirty or in-flight
+    ones are not counted."""
     inactive, active, mapped, dirty, writeback = (
         _stat_value(stat, *keys) for keys in _STAT_KEYS[version]
     )
-    return max(inactive, active + inactive - mapped - dirty - writeback, 0)
+    return max(active + inactive - mapped - dirty - writeback, 0)
 
 
 def _walk(version: int, mount: Path, leaf: Path) -> CgroupReading | None:

@@ -13,6 +13,7 @@ safe side of the line. A process that no longer exists raises ProcessLookupError
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -153,10 +154,20 @@ def measure_tree(pid: int, *, include_self: bool = True) -> ProcessMemory:
     return total
 
 
+def forkserver_pid() -> int | None:
+    """The pid of this process's multiprocessing forkserver while it runs (runners start
+    from it: runtime/supervisor.py ``start_context``); None when there is none."""
+    from multiprocessing import forkserver
+
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    return pid if isinstance(pid, int) else None
+
+
 class ServerBytes:
     """The server process's anonymous bytes (request bodies, Python objects: what it cannot
-    give back), re-read at most every ``ttl`` seconds: the scheduler asks on every decision.
-    File-backed pages (the interpreter, libraries) are left out, as for runners' weights."""
+    give back), and its runners' forkserver's (the runner code it imported once), re-read
+    at most every ``ttl`` seconds: the scheduler asks on every decision. File-backed pages
+    (the interpreter, libraries) are left out, as for runners' weights."""
 
     def __init__(self, ttl: float = 0.5, clock: Callable[[], float] = time.monotonic) -> None:
         self._ttl = ttl
@@ -171,5 +182,9 @@ class ServerBytes:
                 self._value = measure_pid(os.getpid()).anonymous
             except (ProcessLookupError, OSError):
                 self._value = 0
+            pid = forkserver_pid()
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError, OSError):
+                    self._value += measure_pid(pid).anonymous
             self._at = now
         return self._value

@@ -407,18 +407,23 @@ def footprint(
 MIN_PROMPT_CACHE = 16 * MiB
 
 
-def prompt_cache_grant(room: int, fp: Footprint, wanted: int) -> int:
+def prompt_cache_grant(room: int, fp: Footprint, wanted: int, kv_factor: float = 0.0) -> int:
     """Bytes of RAM prompt cache to grant an LLM being loaded (the engine's ``cache_ram_mib``).
 
     ``room`` is what the budget lets this load take (the load ceiling less what others hold
     and cannot give up), ``fp`` the model's own footprint, ``wanted`` the ``kv_ram_max``
-    knob. The grant is what is wanted shrunk to the room the model leaves, in whole MiB (the
+    knob, ``kv_factor`` the ``kv_ram_kv_factor`` knob (0: no such cap). The grant is what
+    is wanted, at most ``kv_factor`` x the model's KV cache (``fp.kv_bytes``, every slot's
+    context: a cache that size already holds a full context's state for every slot, and
+    the disk tier keeps more), shrunk to the room the model leaves, in whole MiB (the
     engine's unit); under ``MIN_PROMPT_CACHE`` it is 0 (no cache). It is budgeted beside the
     model's footprint, never inside it: the engine keeps the cache under the grant, and a
     measurement of the model remembers its own bytes only. Engines without a context get 0.
     """
     if fp.kv_bytes_per_token == 0:
         return 0
+    if kv_factor > 0:
+        wanted = min(wanted, int(kv_factor * fp.kv_bytes))
     grant = min(wanted, room - fp.total) // MiB * MiB
     return grant if grant >= MIN_PROMPT_CACHE else 0
 

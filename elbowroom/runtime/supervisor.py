@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import multiprocessing
@@ -25,6 +26,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
+from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -55,17 +57,46 @@ Spawn = Callable[[Connection, ModelSpec, EngineOptions], BaseProcess]
 WorkerTarget = Callable[[Connection, ModelSpec, EngineOptions], None]
 
 
+START_METHODS = ("forkserver", "spawn")
+# What a runner imports before its engine loads: a forkserver imports it once, and each
+# runner forked from it starts with it imported. A fresh interpreter that imports it took
+# 0.35-0.55 s of every model switch on 2 busy cores (issue 24's arena). The engine library
+# itself (xllamacpp) is not preloaded: its OpenMP runtime reads GOMP_SPINCOUNT when it
+# loads, which the worker sets first (runtime/worker.py).
+PRELOAD = ("elbowroom.runtime.worker", "elbowroom.engines.registry", "elbowroom.engines.llama")
+_preload_lock = threading.Lock()
+_preload_set = False
+
+
+def start_context(method: str) -> SpawnContext | ForkServerContext:
+    """multiprocessing's context for ``method`` (``runner_start``). Never ``fork``: the child
+    must not inherit the server's threads, event loop and sockets. The forkserver is a fresh
+    interpreter (started once, on the first runner, by exec, not fork), single-threaded, that
+    imports ``PRELOAD`` and forks each runner from itself; it exits with the server."""
+    if method == "spawn":
+        return multiprocessing.get_context("spawn")
+    if method != "forkserver":
+        raise ValueError(f"runner_start must be one of {', '.join(START_METHODS)}, not {method!r}")
+    ctx = multiprocessing.get_context("forkserver")
+    global _preload_set
+    with _preload_lock:
+        if not _preload_set:
+            ctx.set_forkserver_preload(list(PRELOAD))
+            _preload_set = True
+    return ctx
+
+
 def spawn_worker(
     conn: Connection,
     spec: ModelSpec,
     options: EngineOptions,
     *,
     target: WorkerTarget = worker_main,
+    method: str = "spawn",
 ) -> BaseProcess:
-    """Start a runner process. ``spawn`` (not fork): the child must not inherit the
-    server's threads, event loop and sockets."""
-    ctx = multiprocessing.get_context("spawn")
-    proc = ctx.Process(
+    """Start a runner process by ``method`` (``start_context``)."""
+    ctx = start_context(method)
+    proc: BaseProcess = ctx.Process(
         target=target, args=(conn, spec, options), daemon=False, name=f"elbowroom-{spec.id}"
     )
     proc.start()
@@ -103,8 +134,10 @@ class _Exited:
 
 
 def supervisor_factory(settings: Settings) -> RunnerFactory:
+    spawn = functools.partial(spawn_worker, method=settings.runner_start)
+
     def make(spec: ModelSpec, on_exit: ExitCallback) -> Runner:
-        return Supervisor(spec, on_exit, settings=settings)
+        return Supervisor(spec, on_exit, settings=settings, spawn=spawn)
 
     return make
 

@@ -96,7 +96,7 @@ def plan_load(
     # never squeezes the context (sized above); a tight budget gets a small grant or none.
     committed = sum(m.bytes for m in state.models if m.id != spec.id)
     wanted = settings.kv_ram_max if settings.kv_cache else 0
-    grant = prompt_cache_grant(state.limit - committed, fp, wanted)
+    grant = prompt_cache_grant(state.limit - committed, fp, wanted, settings.kv_ram_kv_factor)
     request = LoadRequest(spec.id, fp.total + grant, cost)
     return Plan(request, fp, n_ctx, kv_type, slots, cache_grant=grant, ctx_source=source)
 

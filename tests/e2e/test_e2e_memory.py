@@ -152,3 +152,44 @@ def test_model_that_cannot_fit_at_all_is_507(
     assert err["suggestions"], err
     assert server.ps() == []
     assert server.http().get("/health").json() == {"status": "ok"}
+
+
+def test_two_small_llms_with_kv_sized_prompt_caches_stay_side_by_side(
+    server_factory: ServerFactory, measured: Measured
+) -> None:
+    """Issue 24's arena: each LLM's prompt-cache grant was a fixed 512 MiB (kv_ram_max), so
+    two small LLMs in a limit that holds both evicted each other on every switch. The grant
+    is at most kv_ram_kv_factor (1) x the model's KV cache; the engine gets that grant."""
+    grants = {}
+    roomy = server_factory("--ctx", "1024", home=measured.home)
+    with roomy.http() as http:
+        for model in (SMOL, GEMMA):
+            r = http.post(f"/api/models/{model}/load")
+            assert r.status_code == 200, r.text
+        for row in roomy.ps():
+            grants[row["id"]] = int(row["engine_stats"]["prompt_cache_grant"])
+    roomy.stop()
+    # SmolLM2: 22.5 KiB/token x 1024 x 4 slots = 90 MiB of KV, so a 90 MiB grant, not 512
+    assert grants[SMOL] == 90 * MiB, grants
+    assert 0 <= grants[GEMMA] < 512 * MiB, grants
+    # Room under the load ceiling for both models and both grants, 32 MiB to spare: far
+    # less than a 512 MiB grant beside the first model would leave the second.
+    both = sum(measured.bytes.values()) + sum(grants.values()) + measured.server + 32 * MiB
+    assert both - sum(measured.bytes.values()) - measured.server < 512 * MiB
+    server = server_factory(
+        "--ctx",
+        "1024",
+        home=measured.home,
+        env={
+            "ELBOWROOM_OVERRIDE_MEMORY": str(int(both / Settings().load_fraction) + RESERVE),
+            "ELBOWROOM_CONTAINER_MARGIN": str(RESERVE),
+        },
+    )
+    client = server.openai()
+    for model in (SMOL, GEMMA, SMOL, GEMMA):
+        out = client.chat.completions.create(model=model, messages=HI, max_tokens=2)
+        assert out.choices[0].message.content is not None
+    rows = {r["id"]: r for r in server.ps()}
+    assert set(rows) == {SMOL, GEMMA}, rows  # no switch evicted the other
+    assert {m: int(r["engine_stats"]["prompt_cache_grant"]) for m, r in rows.items()} == grants
+    assert server.memory()["committed"] <= server.memory()["limit"]["value"]

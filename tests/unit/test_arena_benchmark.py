@@ -82,7 +82,7 @@ def test_classify_tells_refusals_from_failures() -> None:
 def test_summary_counts_and_percentiles() -> None:
     recs = [
         Rec(0, 0, 0, "a", False, "read", ttft=1.0, outcome="served", tokens=10),
-        Rec(0, 0, 1, "b", True, "read", ttft=3.0, outcome="served", tokens=10),
+        Rec(0, 0, 1, "b", True, "read", ttft=3.0, outcome="served", tokens=10, cached_tokens=1536),
         Rec(1, 0, 0, "a", False, "read", outcome="refused", attempts=["507", "507", "507"]),
         Rec(1, 0, 1, "c", True, "read", outcome="failed", failure="5xx", attempts=["500"]),
         Rec(2, 0, 0, "a", False, "read", outcome="unsent"),
@@ -94,6 +94,7 @@ def test_summary_counts_and_percentiles() -> None:
     assert s["attempt_5xx"] == 4
     assert s["ttft_p50"] == 2.0 and s["switch_ttft_p50"] == 3.0 and s["switch_n"] == 1
     assert s["tok_s"] == 5.0
+    assert s["switch_cached_p50"] == 1536.0  # what the switch restored instead of recomputing
     assert percentile([], 50) is None
     assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 95) == 4.8
     assert spread([3.0, None, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}

@@ -258,6 +258,19 @@ def test_prompt_cache_grant_is_what_is_asked_shrunk_to_the_room() -> None:
     assert est.prompt_cache_grant(room, fp, 0) == 0  # kv_ram_max 0: no cache
 
 
+def test_prompt_cache_grant_is_at_most_kv_factor_times_the_kv_cache() -> None:
+    fp = est.footprint(llm(), 2048, slots=1)  # a small KV cache: the cap binds
+    room = fp.total + 1024 * MiB
+    kv = fp.kv_bytes
+    assert MiB * 16 < kv < 512 * MiB
+    assert est.prompt_cache_grant(room, fp, 512 * MiB, 1.0) == kv // MiB * MiB
+    assert est.prompt_cache_grant(room, fp, 512 * MiB, 2.0) == 2 * kv // MiB * MiB
+    assert est.prompt_cache_grant(room, fp, 512 * MiB, 0.0) == 512 * MiB  # 0: no such cap
+    # kv_ram_max still caps it, the room still shrinks it
+    assert est.prompt_cache_grant(room, fp, 8 * MiB, 1.0) == 0  # under MIN_PROMPT_CACHE
+    assert est.prompt_cache_grant(fp.total + 20 * MiB, fp, 512 * MiB, 1.0) == 20 * MiB
+
+
 def test_resident_engines_get_no_grant() -> None:
     fp = est.footprint(resident("whisper", 78 * MiB), 0)
     assert est.prompt_cache_grant(10 * 1024 * MiB, fp, 512 * MiB) == 0

@@ -91,6 +91,34 @@ def test_runner_start_options_carry_the_settings() -> None:
     run(scenario())
 
 
+def test_small_llms_prompt_cache_grants_follow_their_kv_so_two_fit_side_by_side() -> None:
+    """Issue 24's arena: a fixed 512 MiB prompt-cache grant each made two small LLMs evict
+    each other on every switch in a container that held both. The grant is at most
+    ``kv_ram_kv_factor`` (1) x the model's KV cache: 64 KiB x 512 tokens = 32 MiB here."""
+
+    async def scenario() -> None:
+        small = spec("small", ModelKind.LLM, size_mib=200)
+        other = spec("other", ModelKind.LLM, size_mib=200)
+        h = harness(small, other, ctx=512)  # 232 MiB each + grants, 680 MiB ceiling
+        await request(h, "small")
+        await request(h, "other")
+        assert h.loaded() == ["other", "small"]
+        assert h.sched.counters["evictions_load"] == 0
+        for m in ("small", "other"):
+            opts = h.runner(m).options
+            assert isinstance(opts, LlamaOptions) and opts.cache_ram_bytes == 32 * MiB
+        # kv_ram_kv_factor 0 turns the cap off: the first takes all the room it leaves
+        # (kv_ram_max 512 MiB shrunk to 448) and the second evicts it
+        h = harness(small, other, ctx=512, kv_ram_kv_factor=0)
+        await request(h, "small")
+        await request(h, "other")
+        assert h.loaded() == ["other"] and h.sched.counters["evictions_load"] == 1
+        opts = h.runner("small").options
+        assert isinstance(opts, LlamaOptions) and opts.cache_ram_bytes == 448 * MiB
+
+    run(scenario())
+
+
 def test_llm_context_is_sized_from_the_budget() -> None:
     async def scenario() -> None:
         # 680 MiB ceiling, 300 MiB held by a busy model: 380 MiB budget; 100 MiB weights
