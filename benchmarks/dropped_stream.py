@@ -65,6 +65,9 @@ PREFIX = (
     )
 )
 STALL = re.compile(r"resumed a preempted stream .*: stalled ([0-9.]+) s")
+# The runner's log of a preemption (engines/llama.py): the cancel and the slot save, from
+# the preempted ticket's close to the saved state (the waiting request takes the slot next).
+SAVED = re.compile(r"saved preempted slot \d+ in ([0-9.]+) ms")
 
 
 def messages(i: int, question: str) -> list[dict[str, str]]:
@@ -147,17 +150,23 @@ def stalls(server: ServerProcess) -> list[float]:
     return [float(m) for m in STALL.findall(server.log_path.read_text(errors="replace"))]
 
 
+def saves(server: ServerProcess) -> list[float]:
+    return [float(m) / 1000 for m in SAVED.findall(server.log_path.read_text(errors="replace"))]
+
+
 def one_round(server: ServerProcess, i: int, variant: str) -> dict[str, Any]:
     load = load_avg()
     client = server.openai(timeout=900)
     kept: list[Any] = []  # the dropped stream stays open, as in the issue, for the round
     before = len(stalls(server))
+    saved_before = len(saves(server))
     cold = dropped(client, i, kept)
     timed(server, OTHER)  # type: ignore[arg-type]
     hit_ttft, hit, n_prompt, cached = hit_request(server, i)
     for stream in kept:  # the round is over: end the dropped answer
         stream.close()
     resumed = stalls(server)[before:]
+    saved = saves(server)[saved_before:]
     return {
         "variant": variant,
         "round": i,
@@ -170,6 +179,7 @@ def one_round(server: ServerProcess, i: int, variant: str) -> dict[str, Any]:
         "cached_tokens": cached,
         "reused": cached >= n_prompt - 2 * BLOCK,
         "resumed_stall": resumed[0] if resumed else None,
+        "preempt_cancel_save": saved[0] if saved else None,
         "load_before": load,
     }
 
@@ -222,6 +232,12 @@ def variant_lines(rows: list[dict[str, Any]], name: str) -> list[str]:
         lines.append(
             f"| {name}: preempted stream's stall ({len(stalled)} resumed) | {summary(stalled)} |"
         )
+    cost = [r["preempt_cancel_save"] for r in rows if r.get("preempt_cancel_save") is not None]
+    if cost:
+        lines.append(
+            f"| {name}: preemption's cancel + slot save ({len(cost)}; the hit waits for it) | "
+            f"{summary(cost)} |"
+        )
     return lines
 
 
@@ -251,7 +267,8 @@ def write(rows: list[dict[str, Any]]) -> None:
         "the dropped stream's answer to end (the slot that holds the prefix is busy until "
         "then), at most the estimated recompute time, then recomputes. With preemption the "
         "hit ends that answer's generation, takes its slot, and the answer resumes on another "
-        "slot from the saved slot state (its stall: preemption to its next token).",
+        "slot from the saved slot state (its stall: preemption to its next token; the "
+        "continuation restores and decodes once the hit has its first token).",
     ]
     (out / "dropped_stream.md").write_text("\n".join(lines) + "\n")
     (out / "dropped_stream.json").write_text(json.dumps(rows, indent=1) + "\n")

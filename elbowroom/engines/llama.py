@@ -19,6 +19,7 @@ import os
 import re
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -55,6 +56,12 @@ _LEFT_FOR_EXIT: list[Any] = []
 # Prompt batches: the engine reports progress once per batch, which bounds how long a
 # cancellation waits during a long prefill. 512 is also the compute micro-batch.
 N_BATCH = 512
+
+# A preempted stream's continuation waits at most this long for the request that took its
+# slot to decode its first token (its prefill then has the engine to itself: the
+# continuation's restore and decode do not delay it), polling every HANDOFF_POLL_S.
+HANDOFF_WAIT_S = 2.0
+HANDOFF_POLL_S = 0.01
 
 # Used for chat when the GGUF carries no chat template (base models such as gemma3 270m).
 FALLBACK_ROLES = {"system": "System", "user": "User", "assistant": "Assistant", "tool": "Tool"}
@@ -99,6 +106,9 @@ class LlamaEngine:
         # Preempt and resume (server/stream/resume.py): ticket -> slot of the relayed streams that
         # may be preempted, and how the runner tells the server (set by the worker).
         self._resumable: dict[int, int] = {}
+        # Preempted ticket -> (its slot, how many times that slot had been taken then):
+        # its continuation waits for the request that takes the slot next (``_handoff``).
+        self._handoffs: dict[int, tuple[int, int]] = {}
         self.notify: Callable[[dict[str, Any]], None] | None = None
         self.max_concurrent = 1
 
@@ -321,6 +331,7 @@ class LlamaEngine:
         slot, isolated = self._take_slot(body, request.isolated, chat, bool(request.resumed))
         if request.resumed:  # the preempted slot's state, saved at its close
             assert self._slot_pool is not None
+            self._handoff(request.resumed)
             self._slot_pool.restore_state(slot, f"preempted-{request.resumed}.bin")
         with self._lock:
             ticket = self._next_ticket = self._next_ticket + 1
@@ -356,6 +367,7 @@ class LlamaEngine:
             # saved now (the engine's save waits for the cancelled generation to stop),
             # before the slot goes to the request waiting for its prefix.
             assert self._slot_pool is not None
+            log.info("preempt: ticket %d closed, saving slot %d", closing.ticket, entry[0])
             self._slot_pool.save_state(entry[0], f"preempted-{closing.ticket}.bin")
         elif closing.timings is None and control is not None:
             # Ended early (client gone, error): the engine's loop may still be on it (a
@@ -382,11 +394,45 @@ class LlamaEngine:
             ticket = next((t for t, s in self._resumable.items() if s == slot), None)
         if ticket is None or notify is None or not self._generating(slot):
             return False
+        assert self._slot_pool is not None
+        taken, _ = self._slot_pool.taken(slot)
         with self._lock:
             if self._resumable.pop(ticket, None) is None:
                 return False  # closed meanwhile
+            self._handoffs[ticket] = (slot, taken)
+            while len(self._handoffs) > 4 * self._slots:  # continuations that never came
+                del self._handoffs[next(iter(self._handoffs))]
         notify({"preempt": ticket})
+        log.info("preempt: told the server to end ticket %d on slot %d", ticket, slot)
         return True
+
+    def _handoff(self, preempted: int) -> None:
+        """The continuation of the ``preempted`` ticket waits until the request that took
+        its slot has decoded its first token, or has ended, at most HANDOFF_WAIT_S: the
+        continuation's slot restore and its decode steps share the engine's one loop, so
+        run at once they would delay the first token of the request the preemption was
+        for. The preempted stream's pause grows by that request's (short) prefill."""
+        with self._lock:
+            handoff = self._handoffs.pop(preempted, None)
+        pool = self._slot_pool
+        if handoff is None or pool is None:
+            return
+        slot, before = handoff
+        started = time.monotonic()
+        how = "gave up"
+        while time.monotonic() - started < HANDOFF_WAIT_S:
+            taken, free = pool.taken(slot)
+            if taken > before and (free or self._generating(slot)):
+                how = "ended" if free else "generating"
+                break
+            time.sleep(HANDOFF_POLL_S)
+        log.info(
+            "preempt: the continuation of ticket %d waited %.0f ms for the request on slot %d (%s)",
+            preempted,
+            (time.monotonic() - started) * 1000,
+            slot,
+            how,
+        )
 
     def _generating(self, slot: int) -> bool:
         """Whether the engine's ``slot`` has decoded a token (past its prefill)."""

@@ -112,6 +112,7 @@ class Slots:
         # being ended (its stream resumes on another slot) and the slot will come free.
         self.preempt: Callable[[int], bool] | None = None
         self.preemptions = 0
+        self._taken = dict.fromkeys(range(slots), 0)  # times each slot was acquired
         self._claimed: dict[int, int] = {}  # slot -> the waiting request it was freed for
         self._claims = 0
         # Each slot's last prompt, rendered and tokenized (when the disk tier was looked
@@ -171,7 +172,7 @@ class Slots:
 
         def score(s: int) -> tuple[int, float]:
             last = self._last_key[s]
-            shared = _text_prefix(last, key)
+            shared = self._shared(s, key, whole)
             # A slot counts when it shares a real beginning, or this request continues
             # (or repeats) everything the slot last held.
             useful = shared > 0 and shared >= min(MIN_SHARED_CHARS, len(last))
@@ -194,6 +195,10 @@ class Slots:
             me = self._claims
             tried_preempt = False
             while True:
+                claimed = [s for s, owner in self._claimed.items() if owner == me]
+                if claimed and claimed[0] in self._free:
+                    slot = claimed[0]  # freed by the preemption for this request: no more
+                    break  # comparing (its stream's continuation holds the same prefix)
                 slot = max(self._open_slots(me), key=score)
                 gain, busy = self._busy_gain(key, whole, score(slot)[0])
                 if gain <= 0 or resumed:
@@ -216,6 +221,7 @@ class Slots:
                     >= MIN_PREEMPT_S
                 ):
                     tried_preempt = True
+                    log.info("preempt: asking for slot %d", busy)
                     self._lock.release()
                     try:
                         ended = preempt(busy)
@@ -234,7 +240,10 @@ class Slots:
             for s, owner in list(self._claimed.items()):
                 if owner == me:
                     del self._claimed[s]
+            if tried_preempt:
+                log.info("preempt: the waiting request takes slot %d", slot)
             self._free.discard(slot)
+            self._taken[slot] += 1
             self._last_key[slot] = key
             self._last_len[slot] = whole
             self._last_used[slot] = time.monotonic()
@@ -253,17 +262,30 @@ class Slots:
         for s, last in self._last_key.items():
             if s in self._free or not last:
                 continue
-            shared = _text_prefix(last, key)
-            if shared >= MAX_KEY_CHARS - 1:  # both go on past the cut: as long as the shorter
-                shared = min(whole, self._last_len[s])
+            shared = self._shared(s, key, whole)
             if shared > best:
                 best, best_slot = shared, s
         gain = best - free_shared
         return (gain, best_slot) if gain >= MIN_WAIT_CHARS else (0, -1)
 
+    def _shared(self, s: int, key: str, whole: int) -> int:
+        """Characters slot ``s``'s last request shares with ``key`` (cut at MAX_KEY_CHARS,
+        of ``whole``); past the cut, as long as the shorter of the two. Free and busy slots
+        are measured alike: a free slot holding the same long prefix as a busy one must not
+        look shorter (it did: the busy one was waited for, or preempted, for nothing)."""
+        shared = _text_prefix(self._last_key[s], key)
+        if shared >= MAX_KEY_CHARS - 1:  # both go on past the cut: as long as the shorter
+            shared = min(whole, self._last_len[s])
+        return shared
+
     def _recompute_seconds(self, chars: int) -> float:
         tps = self._prefill_tps or DEFAULT_PREFILL_TPS
         return min(MAX_PREFIX_WAIT_S, chars / CHARS_PER_TOKEN / tps)
+
+    def taken(self, slot: int) -> tuple[int, bool]:
+        """How many times ``slot`` was acquired, and whether it is free now."""
+        with self._lock:
+            return self._taken[slot], slot in self._free
 
     def release(self, slot: int) -> None:
         with self._lock:

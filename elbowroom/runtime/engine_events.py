@@ -272,6 +272,7 @@ class EngineConnection:
         if data.get("preempt") == self.ticket.ticket and not self.finished and not self.aborted:
             self.aborted = "preempt"
             self.preempted_at = time.monotonic()
+            log.info("preempt: ending the engine connection of ticket %d", self.ticket.ticket)
             if self.writer is not None:
                 self.writer.transport.abort()
 

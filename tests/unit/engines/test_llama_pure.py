@@ -12,7 +12,13 @@ from typing import Any, cast
 import pytest
 
 from elbowroom.engines.llama_control import EngineControl
-from elbowroom.engines.llama_slots import SEQ_MAGIC, Slots, is_slot_state
+from elbowroom.engines.llama_slots import (
+    MAX_KEY_CHARS,
+    MIN_WAIT_CHARS,
+    SEQ_MAGIC,
+    Slots,
+    is_slot_state,
+)
 from elbowroom.engines.llama_tools import parse, plan
 from elbowroom.errors import BadRequest
 from elbowroom.kvcache import CacheKey, PrefixCache
@@ -207,6 +213,122 @@ def test_a_busy_slot_holding_a_long_prefix_is_preempted_and_claimed() -> None:
     slots.release(first)
     again.join(30)
     assert third == [first]
+
+
+def test_past_the_key_cut_a_free_slot_with_the_prefix_is_taken_without_preempting() -> None:
+    """A prompt longer than the slot key's cut (MAX_KEY_CHARS) whose prefix a free slot and a
+    busy slot both hold: the free one is taken at once. The free slot was measured only up
+    to the cut and the busy one past it, so the busy one looked ~2,600 characters better
+    (the issue's ~1,830-token prefix): it was preempted for nothing."""
+    control = cast(EngineControl, _NoControl())
+    slots = Slots(control, 3, None, save_dir=Path("/nonexistent"), block_tokens=64)
+    prefix = "system: " + "".join(f"Rule {i}: check shelf {i % 17}.\n" for i in range(300))
+    assert len(prefix) > MAX_KEY_CHARS + 2 * MIN_WAIT_CHARS
+    slots.observe_prefill({"prompt_n": 100_000, "prompt_ms": 1000.0})  # ~0.02 s to recompute
+    busy = slots.acquire(prefix + "user: question one")
+    free = slots.acquire(prefix + "user: question two")  # waits ~0.02 s, then another slot
+    slots.release(free)
+    assert busy != free
+    asked: list[int] = []
+    slots.preempt = lambda slot: asked.append(slot) is None
+    slots._prefill_tps = 100.0  # slow now: the busy slot would be worth preempting
+    waits = slots.prefix_waits
+    assert slots.acquire(prefix + "user: question three") == free
+    assert asked == [] and slots.prefix_waits == waits
+
+
+def test_a_preempting_request_takes_its_claimed_slot_once_free() -> None:
+    """The request that preempted a slot takes it as soon as it comes free, even when the
+    preempted stream's continuation took another slot first and its prompt (the same long
+    prefix, and more) runs past the key cut: the continuation's slot looked better and the
+    request waited for it (seen in benchmarks/dropped_stream.py: the first token 8 s late)."""
+    control = cast(EngineControl, _NoControl())
+    slots = Slots(control, 3, None, save_dir=Path("/nonexistent"), block_tokens=64)
+    asked: list[int] = []
+    slots.preempt = lambda slot: asked.append(slot) is None
+    slots.observe_prefill({"prompt_n": 1000, "prompt_ms": 10_000.0})  # 100 tokens/s
+    prefix = "system: " + "".join(f"Rule {i}: check shelf {i % 17}.\n" for i in range(300))
+    first = slots.acquire(prefix + "user: question one")
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(slots.acquire(prefix + "user: two")))
+    waiter.start()
+    deadline = time.monotonic() + 30
+    while not asked and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert asked == [first]
+    with slots._lock:  # the release and the continuation's acquire before the waiter wakes
+        slots._free.add(first)
+    resumed = slots.acquire(prefix + "user: question one" + " and the answer" * 20, resumed=True)
+    assert resumed != first
+    slots.release(first)
+    waiter.join(10)  # the preemption's wait is PREEMPT_WAIT_S (30 s)
+    assert got == [first]
+
+
+class _SlotsControl:
+    """The engine's ``GET /slots`` at the edge: each slot's processing state and tokens
+    decoded, set by the test."""
+
+    def __init__(self, n: int) -> None:
+        self.state = {s: (False, 0) for s in range(n)}
+        self.gets = 0
+
+    def request(self, method: str, path: str, body: Any) -> Any:
+        assert (method, path) == ("GET", "/slots"), (method, path)
+        self.gets += 1
+        return [
+            {"id": s, "is_processing": busy, "next_token": [{"n_decoded": n}]}
+            for s, (busy, n) in self.state.items()
+        ]
+
+
+def test_a_preempted_streams_continuation_waits_for_the_first_token_it_was_preempted_for() -> None:
+    """Preempt and resume: the continuation restores its state and decodes only once the
+    request that took its slot has decoded its first token (or ended): the engine runs one
+    loop, so a restore and a decode step beside that request's prefill delayed its first
+    token (0.72 s median against 0.54 s, benchmarks/dropped_stream.py under load), which
+    is what the preemption was for. Bounded: a request that never comes is not waited for
+    longer than HANDOFF_WAIT_S."""
+    from elbowroom.engines import llama
+    from elbowroom.engines.llama import LlamaEngine
+
+    control = _SlotsControl(2)
+    slots = Slots(cast(EngineControl, control), 2, None, Path("/nonexistent"), block_tokens=64)
+    engine = LlamaEngine()
+    engine._control = cast(EngineControl, control)
+    engine._slot_pool = slots
+    notices: list[dict[str, Any]] = []
+    engine.notify = notices.append
+    prefix = "system: " + "".join(f"Rule {i}: check shelf {i % 17}.\n" for i in range(100))
+    slot = slots.acquire(prefix + "user: question one")
+    engine._resumable[7] = slot
+    control.state[slot] = (True, 5)  # past its prefill: preemptible
+    assert engine._preempt(slot) and notices == [{"preempt": 7}]
+    control.state[slot] = (False, 0)  # cancelled; its state saved; the slot given back
+    slots.release(slot)
+    done = threading.Event()
+    waiter = threading.Thread(target=lambda: (engine._handoff(7), done.set()))
+    waiter.start()
+    assert not done.wait(0.3)  # nobody took the slot yet
+    assert slots.acquire(prefix + "user: question two") == slot
+    control.state[slot] = (True, 0)  # the request's prefill
+    assert not done.wait(0.3)
+    control.state[slot] = (True, 1)  # its first token
+    assert done.wait(llama.HANDOFF_WAIT_S)
+    waiter.join(10)
+    # A continuation whose slot nobody takes waits HANDOFF_WAIT_S, then goes on.
+    slots.release(slot)
+    engine._resumable[8] = slot
+    control.state[slot] = (True, 5)
+    assert engine._preempt(slot)
+    control.state[slot] = (False, 0)
+    started = time.monotonic()
+    engine._handoff(8)
+    assert llama.HANDOFF_WAIT_S <= time.monotonic() - started < llama.HANDOFF_WAIT_S + 10
+    # No preemption recorded (a stale or unknown ticket): no wait.
+    started = time.monotonic()
+    engine._handoff(99)
+    assert time.monotonic() - started < 1.0
 
 
 def test_only_engine_slot_files_are_stored() -> None:
