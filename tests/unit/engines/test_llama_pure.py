@@ -172,18 +172,17 @@ def test_a_prompt_whose_slot_is_busy_waits_for_it_rather_than_recomputing() -> N
     assert elsewhere != first and slots.prefix_waits == 2
 
 
-def test_a_busy_slot_holding_a_long_prefix_is_preempted_and_claimed() -> None:
-    """Preempt and resume (server/stream/resume.py): the slot whose stream holds the prefix is
-    preempted at once (no wait for its answer to end), claimed for the request that needs
-    it — the preempted stream's continuation, arriving meanwhile, takes another slot — and
-    the continuation itself never waits nor preempts. A slot whose holder cannot be
-    preempted is waited for as before."""
+def _preempting(rules: int) -> tuple[Slots, list[int], int, str, list[int], threading.Thread]:
+    """Three slots at 100 prefill tokens/s: a stream holds a ``rules``-line prefix on one
+    and a second request for that prefix has asked to preempt it (it waits for the slot).
+    Returns the slots, the slots asked for, the preempted slot, the prefix, and the waiting
+    request's result list and thread."""
     control = cast(EngineControl, _NoControl())
     slots = Slots(control, 3, None, save_dir=Path("/nonexistent"), block_tokens=64)
     asked: list[int] = []
     slots.preempt = lambda slot: asked.append(slot) is None  # True: it will come free
     slots.observe_prefill({"prompt_n": 1000, "prompt_ms": 10_000.0})  # 100 tokens/s
-    prefix = "system: " + "".join(f"Rule {i}: check shelf {i % 17}.\n" for i in range(200))
+    prefix = "system: " + "".join(f"Rule {i}: check shelf {i % 17}.\n" for i in range(rules))
     first = slots.acquire(prefix + "user: question one")
     got: list[int] = []
     waiter = threading.Thread(target=lambda: got.append(slots.acquire(prefix + "user: two")))
@@ -191,6 +190,16 @@ def test_a_busy_slot_holding_a_long_prefix_is_preempted_and_claimed() -> None:
     deadline = time.monotonic() + 30
     while not asked and time.monotonic() < deadline:
         time.sleep(0.01)
+    return slots, asked, first, prefix, got, waiter
+
+
+def test_a_busy_slot_holding_a_long_prefix_is_preempted_and_claimed() -> None:
+    """Preempt and resume (server/stream/resume.py): the slot whose stream holds the prefix is
+    preempted at once (no wait for its answer to end), claimed for the request that needs
+    it — the preempted stream's continuation, arriving meanwhile, takes another slot — and
+    the continuation itself never waits nor preempts. A slot whose holder cannot be
+    preempted is waited for as before."""
+    slots, asked, first, prefix, got, waiter = _preempting(200)
     assert asked == [first] and slots.preemptions == 1 and not got
     # The preempted stream gives its slot back and its continuation (which shares the most
     # with that slot) asks for one: the claimed slot is not for it, and it does not wait.
@@ -242,19 +251,7 @@ def test_a_preempting_request_takes_its_claimed_slot_once_free() -> None:
     preempted stream's continuation took another slot first and its prompt (the same long
     prefix, and more) runs past the key cut: the continuation's slot looked better and the
     request waited for it (seen in benchmarks/dropped_stream.py: the first token 8 s late)."""
-    control = cast(EngineControl, _NoControl())
-    slots = Slots(control, 3, None, save_dir=Path("/nonexistent"), block_tokens=64)
-    asked: list[int] = []
-    slots.preempt = lambda slot: asked.append(slot) is None
-    slots.observe_prefill({"prompt_n": 1000, "prompt_ms": 10_000.0})  # 100 tokens/s
-    prefix = "system: " + "".join(f"Rule {i}: check shelf {i % 17}.\n" for i in range(300))
-    first = slots.acquire(prefix + "user: question one")
-    got: list[int] = []
-    waiter = threading.Thread(target=lambda: got.append(slots.acquire(prefix + "user: two")))
-    waiter.start()
-    deadline = time.monotonic() + 30
-    while not asked and time.monotonic() < deadline:
-        time.sleep(0.01)
+    slots, asked, first, prefix, got, waiter = _preempting(300)
     assert asked == [first]
     with slots._lock:  # the release and the continuation's acquire before the waiter wakes
         slots._free.add(first)
