@@ -80,6 +80,7 @@ class SchedulerTarget:
             bytes=measured,
             last_used=-math.inf,  # the first pinned model to go
             pinned=True,
+            loading=True,
             pools=tuple(sorted((p, b) for p, b in pools.items() if b > 0)),
         )
 

@@ -64,6 +64,14 @@ LINGER = 2.0  # a relief action this soon after a notification is reported again
 # read as normal 55 ms later (a pair too close to count, the window's rate just under the
 # line) and loads resumed and paused three times in 0.6 s of one burst (chaos, load 16).
 TREND_HOLD = 1.0
+# The trend starts afresh this long after one of our own models started or finished
+# loading or went away: for a moment after such a change the sample's picture of "others"
+# (everything but our runners and server) is not theirs — a runner's pages move between
+# the page-cache lists and its own measurement, the cgroup's statistics lag its usage —
+# and it read as a neighbour growing 2.1 GiB/s in a cgroup that held nothing else, which
+# unloaded the model that had just loaded (tests/e2e/test_pressure_events.py). The byte
+# levels and PSI still act meanwhile; only the projection waits.
+TREND_SETTLE = 1.0
 
 
 def own_oom_score_adj(path: str = "/proc/self/oom_score_adj") -> int:
@@ -181,6 +189,8 @@ class PressureGuard:
         self._budget = budget
         self._horizon = horizon  # trend.projected: 0 = off (the server passes its knob)
         self._points: deque[Point] = deque(maxlen=64)
+        self._fleet: frozenset[tuple[str, bool]] | None = None  # our models, (id, loading)
+        self._settle_until = -math.inf  # no trend points before this (TREND_SETTLE)
         self._trend_soft: tuple[float, str | None] | None = None  # (at, why): the last soft
         self._level_now = Pressure.NORMAL  # the highest pool's level at the last sample
         self._gpu_levels: dict[str, str] = {}  # GPU pool -> level label at the last sample
@@ -312,7 +322,7 @@ class PressureGuard:
         inflight = self._inflight({m.id: m.bytes for m in models})
         unloading = frozenset(m for m, p in self._unloading.items() if not p.task.done())
         gpus = self._gpu_readings(sample, models, unloading)
-        level, why = self._projected(sample)
+        level, why = self._projected(sample, frozenset((m.id, m.loading) for m in models))
         actions = plan(
             level,
             self._prev,
@@ -390,9 +400,19 @@ class PressureGuard:
             write(model, adj)
         self._oom_order = order
 
-    def _projected(self, sample: Sample) -> tuple[Pressure, str | None]:
+    def _projected(
+        self, sample: Sample, fleet: frozenset[tuple[str, bool]] = frozenset()
+    ) -> tuple[Pressure, str | None]:
         """The sample's host level, raised to soft when others' memory grows fast enough to
-        exhaust what is available within the horizon (``trend.projected``)."""
+        exhaust what is available within the horizon (``trend.projected``). ``fleet``: our
+        models and whether each is loading; a change starts the trend afresh after
+        TREND_SETTLE seconds."""
+        if self._fleet is not None and fleet != self._fleet:
+            self._settle_until = sample.at + TREND_SETTLE
+        self._fleet = fleet
+        if sample.at < self._settle_until:
+            self._points.clear()
+            return sample.level, "; ".join(sample.reasons) or None
         snap = sample.snapshot
         # Not clamped at 0: only its changes count, and in a cgroup it starts below 0 (our
         # runners' mapped weights are in our usage but their page cache may be charged to

@@ -76,6 +76,7 @@ class LoadedModel:
     llm: bool = False  # its runner takes pressure levels (slot saves, per-token checks)
     runner_level: Pressure = Pressure.NORMAL  # the level last sent to its runner
     pools: tuple[tuple[str, int], ...] = ()  # bytes it holds in GPU pools ("gpu0", ...)
+    loading: bool = False  # a load in progress (guard/adapter.py: idle and pinned)
 
     def pool_bytes(self, pool: str) -> int:
         return sum(b for p, b in self.pools if p == pool)

@@ -4,6 +4,7 @@ guard acting on it with a sample sequence like the chaos benchmark's neighbour."
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
 
 import pytest
@@ -165,3 +166,29 @@ async def test_our_own_growth_is_not_a_trend_the_guard_answers() -> None:
     # our runners grow 128 MiB/s (a model loading): others flat, nothing happens
     for i, own in enumerate((300, 364, 428, 492)):
         assert await guard.apply(sample(i * 0.5, 300, own)) == []
+
+
+async def test_the_trend_starts_afresh_after_our_own_model_loads() -> None:
+    # The e2e failure: right after our two startup loads, in a cgroup holding nothing else,
+    # "others" read as growing 2.1 GiB/s and the guard unloaded the model that had just
+    # loaded. For TREND_SETTLE after one of our models starts, finishes loading or goes
+    # away, the trend takes no points; the byte levels still act.
+    target = Target()
+    target.loaded = [LoadedModel("llm", 300 * MiB, -math.inf, pinned=True, loading=True)]
+    guard = PressureGuard(target, horizon=2.0)
+    await guard.apply(sample(0.0, 100, 300))
+    target.loaded = [LoadedModel("llm", 300 * MiB, 1.0)]  # loaded: the fleet changed
+    for at, others in ((0.2, 100), (0.4, 300), (0.6, 500)):  # the skewed "growth"
+        assert await guard.apply(sample(at, others, 300)) == []
+    assert not target.paused()
+    # Past the settle time a neighbour's growth is a trend again (+400 MiB/s, 480 left).
+    for at, others in ((1.3, 500), (1.5, 580)):
+        await guard.apply(sample(at, others, 300))
+    assert target.paused()
+    # Without the change of fleet the same readings are a trend at once.
+    steady = Target()
+    steady.loaded = [LoadedModel("llm", 300 * MiB, 1.0)]
+    other = PressureGuard(steady, horizon=2.0)
+    for at, others in ((0.0, 100), (0.2, 100), (0.4, 300)):
+        await other.apply(sample(at, others, 300))
+    assert steady.paused()
