@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import platform
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from elbowroom.config import KV_TYPES
 from elbowroom.errors import BadRequest
@@ -48,8 +48,15 @@ from elbowroom.models.spec import Footprint, GGUFInfo, ModelSpec
 from elbowroom.models.vision import extra_footprint
 from elbowroom.units import MiB
 
-if TYPE_CHECKING:
-    from elbowroom.models.measured import MeasuredStore
+
+class Measurements(Protocol):
+    """Where earlier measurements are looked up (``models.measured.MeasuredStore``; named
+    by its shape here, since the store computes with this module's ``footprint``)."""
+
+    def lookup(
+        self, spec: ModelSpec, n_ctx: int, slots: int, kv_type: str
+    ) -> ProcessMemory | None: ...
+
 
 # Bytes per KV element: f16 is 2; q8_0 packs 32 values in 34 bytes, q4_0 in 18.
 KV_TYPE_BYTES: dict[str, float] = dict(zip(KV_TYPES, (2.0, 34 / 32, 18 / 32), strict=True))
@@ -348,7 +355,7 @@ def footprint(
     n_ctx: int,
     slots: int = 1,
     kv_type: str = "f16",
-    measured: MeasuredStore | ProcessMemory | None = None,
+    measured: Measurements | ProcessMemory | None = None,
     build: EngineBuild | None = None,
 ) -> Footprint:
     """Predicted bytes once loaded; a measurement for the same file and settings wins.
@@ -443,7 +450,7 @@ def max_context(
     slots: int = 1,
     kv_type: str = "f16",
     ceiling: int | None = None,
-    measured: MeasuredStore | None = None,
+    measured: Measurements | None = None,
 ) -> int:
     """Largest n_ctx (a multiple of 256) whose footprint fits ``budget_bytes``; 0 if none.
 
@@ -480,7 +487,7 @@ def auto_context(
     min_ctx: int,
     slots: int = 1,
     kv_type: str = "f16",
-    measured: MeasuredStore | None = None,
+    measured: Measurements | None = None,
 ) -> int:
     """The context to load an LLM with when the user did not set one; 0 = refuse.
 

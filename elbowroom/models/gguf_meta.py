@@ -31,6 +31,7 @@ from typing import Any
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
 from elbowroom.errors import BadRequest
+from elbowroom.models.projector_names import projector_beside
 from elbowroom.models.spec import GGUFInfo
 
 _GGUF_MAGIC = b"GGUF"
@@ -326,9 +327,7 @@ def _file_type(value: int | None) -> str | None:
 
 
 def _find_mmproj(path: Path) -> Path | None:
-    """The multimodal projector beside the model (models/vision.py has the name rule)."""
-    from elbowroom.models.vision import projector_beside  # vision reads headers with us
-
+    """The multimodal projector beside the model (models/projector_names.py)."""
     return projector_beside(path)
 
 

@@ -23,11 +23,11 @@ import json
 import math
 import struct
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from elbowroom.models.spec import Footprint
+from elbowroom.models.spec import Footprint, MLXInfo
 from elbowroom.units import MiB
 
 # Bytes per element of the safetensors dtypes (MLX writes these).
@@ -68,38 +68,6 @@ SCORE_BYTES = 4
 
 class InvalidMLX(ValueError):
     pass
-
-
-@dataclass(frozen=True, slots=True)
-class MLXInfo:
-    model_type: str
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    hidden: int
-    ffn: int
-    vocab: int
-    trained_ctx: int
-    tensor_bytes: int  # every tensor of every safetensors file, as the headers say
-    half_bytes: int  # ... of them in float16 / bfloat16
-    act_bytes: int  # bytes per activation / KV element (the model's float dtype)
-    bits: int | None  # quantization bits (None: not quantized)
-    group_size: int | None
-    files: tuple[str, ...]  # the safetensors files (names, in the folder)
-    has_chat_template: bool
-    sliding_window: int | None = None
-
-    @property
-    def quantization(self) -> str:
-        return f"{self.bits}-bit" if self.bits else _dtype_name(self.act_bytes)
-
-    def kv_bytes_per_token(self) -> int:
-        return self.n_layers * 2 * self.n_kv_heads * self.head_dim * self.act_bytes
-
-
-def _dtype_name(nbytes: int) -> str:
-    return {4: "float32", 2: "float16"}.get(nbytes, f"{nbytes}-byte")
 
 
 def is_mlx_dir(path: Path) -> bool:

@@ -6,10 +6,41 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from elbowroom.models.mlx_meta import MLXInfo
+
+# An MLX model folder's facts, read by models/mlx_meta.py from its config and safetensors
+# headers: here beside the spec that holds them, so that the reader imports the spec and
+# not the other way round.
+@dataclass(frozen=True, slots=True)
+class MLXInfo:
+    model_type: str
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden: int
+    ffn: int
+    vocab: int
+    trained_ctx: int
+    tensor_bytes: int  # every tensor of every safetensors file, as the headers say
+    half_bytes: int  # ... of them in float16 / bfloat16
+    act_bytes: int  # bytes per activation / KV element (the model's float dtype)
+    bits: int | None  # quantization bits (None: not quantized)
+    group_size: int | None
+    files: tuple[str, ...]  # the safetensors files (names, in the folder)
+    has_chat_template: bool
+    sliding_window: int | None = None
+
+    @property
+    def quantization(self) -> str:
+        return f"{self.bits}-bit" if self.bits else _dtype_name(self.act_bytes)
+
+    def kv_bytes_per_token(self) -> int:
+        return self.n_layers * 2 * self.n_kv_heads * self.head_dim * self.act_bytes
+
+
+def _dtype_name(nbytes: int) -> str:
+    return {4: "float32", 2: "float16"}.get(nbytes, f"{nbytes}-byte")
 
 
 class ModelKind(enum.StrEnum):

@@ -6,7 +6,7 @@ embeddings in the text model's width (llama.cpp's mtmd/clip). Pairing (docs/mode
 - side by side: ``mmproj*.gguf`` files in the model's folder. One such file pairs with
   every model of the folder; with several, a model takes the one whose name, less the
   ``mmproj`` prefix, shares the longest start with the model's own name (at least
-  ``MIN_SHARED`` characters: ``mmproj-gemma-3-4b-f16.gguf`` pairs with
+  ``MIN_SHARED`` characters, models/projector_names.py: ``mmproj-gemma-3-4b-f16.gguf`` pairs with
   ``gemma-3-4b-it-Q4_K_M.gguf``, not with ``qwen2.5-vl-3b.gguf``);
 - explicitly: ``model_projectors = ["ID=PATH"]`` (config), which wins over a sibling.
 
@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import enum
 import logging
-import re
 import struct
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -49,7 +47,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
-MIN_SHARED = 4  # characters a projector's name must share with its model's (several)
 F32 = 4
 # Encoder working memory: activations kept per patch and encoder width (residual, norm,
 # q/k/v, attention output, MLP in/out), per patch and MLP width (up + activation), and a
@@ -158,43 +155,6 @@ def capabilities(spec: ModelSpec) -> list[str]:
         "embedding": ["embedding"],
     }.get(str(spec.kind), [])
     return [*caps, "vision"] if spec.vision else caps
-
-
-# --- pairing a model with its projector -------------------------------------------------
-
-
-def is_projector_name(path: Path) -> bool:
-    return path.name.lower().startswith("mmproj") and path.suffix.lower() == ".gguf"
-
-
-def _norm(name: str) -> str:
-    stem = name.lower().removesuffix(".gguf")
-    stem = stem.removeprefix("mmproj")
-    return re.sub(r"[^a-z0-9]+", "", stem)
-
-
-def pick_projector(model: Path, candidates: Iterable[Path]) -> Path | None:
-    """PURE over names: the projector beside ``model`` by the rule in the module docstring."""
-    found = sorted(c for c in candidates if c != model and is_projector_name(c))
-    if len(found) <= 1:
-        return found[0] if found else None
-    mine = _norm(model.name)
-
-    def shared(c: Path) -> int:
-        theirs, n = _norm(c.name), 0
-        while n < min(len(mine), len(theirs)) and mine[n] == theirs[n]:
-            n += 1
-        return n
-
-    best = max(found, key=shared)
-    return best if shared(best) >= MIN_SHARED else None
-
-
-def projector_beside(model: Path) -> Path | None:
-    try:
-        return pick_projector(model, model.parent.iterdir())
-    except OSError:
-        return None
 
 
 # --- the vision gate --------------------------------------------------------------------

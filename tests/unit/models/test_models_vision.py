@@ -13,7 +13,7 @@ from vision_gguf import write_projector
 
 from elbowroom.config import Settings
 from elbowroom.errors import InsufficientMemory
-from elbowroom.models import vision
+from elbowroom.models import projector_names, vision
 from elbowroom.models.catalog import discover
 from elbowroom.models.estimate import footprint
 from elbowroom.models.gguf_meta import InvalidModel
@@ -81,7 +81,9 @@ def test_not_a_vision_projector_is_invalid(tmp_path: Path) -> None:
 def test_pick_projector_by_name(model: str, projectors: list[str], expected: str | None) -> None:
     root = Path("/m")
     others = [root / "other.gguf", root / model]
-    picked = vision.pick_projector(root / model, [*others, *(root / p for p in projectors)])
+    picked = projector_names.pick_projector(
+        root / model, [*others, *(root / p for p in projectors)]
+    )
     assert picked == (root / expected if expected else None)
 
 
