@@ -328,15 +328,6 @@ def spread(values: Iterable[float | None]) -> dict[str, float | None]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
-def oom_control(text: str) -> dict[str, int]:
-    """cgroup v1 ``memory.oom_control``: ``oom_kill_disable``, ``under_oom``, ``oom_kill``
-    (kernels >= 4.13; absent: 0)."""
-    fields = dict(line.split() for line in text.splitlines() if line.strip())
-    out = {k: int(v) for k, v in fields.items()}
-    out.setdefault("oom_kill", 0)
-    return out
-
-
 _KILLED = re.compile(r"Killed process (\d+) \(([^)]*)\).*?anon-rss:(\d+)kB")
 _MEMCG = re.compile(r"oom-kill:.*?oom_memcg=(\S+?),task_memcg=\S*?,task=([^,]*),pid=(\d+)")
 
@@ -798,7 +789,7 @@ def run_cell(
         for c in clients:
             c.close()
         peak = int(cg.read("memory.max_usage_in_bytes"))
-        oom = oom_control(cg.read("memory.oom_control"))
+        oom_kills = cg.oom_kills
         failcnt = cg.failcnt
         alive = server_alive if server_alive is not None else bool(server and server.alive())
         if server is not None:
@@ -815,7 +806,7 @@ def run_cell(
         seed=seed,
         limit_bytes=limit,
         peak_bytes=peak,
-        oom_kills=oom["oom_kill"],
+        oom_kills=oom_kills,
         oom_victims=victims,
         failcnt=failcnt,
         neighbour_deaths=neighbour.deaths if neighbour else 0,

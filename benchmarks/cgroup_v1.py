@@ -40,6 +40,15 @@ for line in sys.stdin:
 """
 
 
+def oom_control(text: str) -> dict[str, int]:
+    """cgroup v1 ``memory.oom_control``: ``oom_kill_disable``, ``under_oom``, ``oom_kill``
+    (kernels >= 4.13; absent: 0)."""
+    fields = dict(line.split() for line in text.splitlines() if line.strip())
+    out = {k: int(v) for k, v in fields.items()}
+    out.setdefault("oom_kill", 0)
+    return out
+
+
 def v1_available() -> bool:
     return os.geteuid() == 0 and (CGROUP_V1 / "memory.limit_in_bytes").exists()
 
@@ -60,8 +69,7 @@ class Cgroup:
 
     @property
     def oom_kills(self) -> int:
-        fields = dict(line.split() for line in self.read("memory.oom_control").splitlines())
-        return int(fields.get("oom_kill", 0))
+        return oom_control(self.read("memory.oom_control"))["oom_kill"]
 
     @property
     def failcnt(self) -> int:

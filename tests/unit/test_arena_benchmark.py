@@ -8,7 +8,6 @@ from arena import (
     Rec,
     classify,
     messages,
-    oom_control,
     oom_victims,
     percentile,
     spread,
@@ -18,6 +17,7 @@ from arena import (
     targets,
     workload,
 )
+from cgroup_v1 import oom_control
 
 MODELS = ["a", "b", "c", "d"]
 
