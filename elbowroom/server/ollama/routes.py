@@ -36,12 +36,13 @@ from elbowroom.server.ollama import shapes
 from elbowroom.server.ollama.reply import NdjsonStream, Reply, Timing
 from elbowroom.server.ollama.rewriter import OllamaRewriter
 from elbowroom.server.openai.embeddings_routes import check_inputs
+from elbowroom.server.openai.embeddings_routes import embed as embed_inputs
 from elbowroom.server.openai.images import check_chat_images
 from elbowroom.server.openai.schemas import ChatCompletionRequest, CompletionRequest, refuse_absurd
 from elbowroom.server.openai.text_calls import engine_request
 from elbowroom.server.stream.model_calls import run_once
 from elbowroom.server.stream.relay import Relay
-from elbowroom.server.stream.sse import ClientGone, gone_response, unless_client_leaves
+from elbowroom.server.stream.sse import gone_response
 
 log = logging.getLogger("elbowroom.server")
 
@@ -204,6 +205,13 @@ async def generate(request: Request, body: shapes.GenerateBody) -> Response:
     return await _text(request, services, spec, body, kind, openai, keep_alive)
 
 
+async def _load_only(services: Services, spec: ModelSpec, keep_alive: float | None) -> None:
+    """A request with nothing to run (Ollama's way to load a model): the model loads, and
+    keep_alive sets how long it stays, as after any request."""
+    async with services.scheduler.use(spec.id, keep_alive=keep_alive):
+        pass
+
+
 async def _load_or_unload(
     services: Services, spec: ModelSpec, name: str, keep_alive: float | None, *, chat: bool
 ) -> Response:
@@ -220,10 +228,7 @@ async def _load_or_unload(
         await scheduler.unload(spec.id)
         reason = "unload"
     else:
-        # A request with nothing to run: the model loads, and keep_alive sets how long it
-        # stays (as after any request).
-        async with scheduler.use(spec.id, keep_alive=keep_alive):
-            pass
+        await _load_only(services, spec, keep_alive)
         reason = "load"
     body: dict[str, Any] = {"model": name, "created_at": shapes.now_iso()}
     if chat:
@@ -348,30 +353,20 @@ async def embed(request: Request, body: shapes.EmbedBody) -> JSONResponse:
         )
     started = time.perf_counter_ns()
     if body.input is None or body.input == []:  # Ollama: just load the model
-        async with services.scheduler.use(spec.id, keep_alive=keep_alive):
-            pass
+        await _load_only(services, spec, keep_alive)
         return JSONResponse({"model": body.model, "embeddings": []})
     payload = check_inputs(body.input, services.settings.max_embedding_inputs)
-    try:  # a client that leaves stops the batch (the engine checks between batches)
-        result = await unless_client_leaves(
-            request, run_once(services.scheduler, spec.id, keep_alive, "embed", payload)
-        )
-    except ClientGone:
+    embedded = await embed_inputs(request, spec.id, keep_alive, payload, body.dimensions)
+    if embedded is None:
         return gone_response()  # type: ignore[return-value]
-    vectors: list[list[float]] = result["embeddings"]
-    if body.dimensions is not None and vectors and body.dimensions != len(vectors[0]):
-        raise BadRequest(
-            f"model '{spec.id}' makes {len(vectors[0])}-dimensional embeddings and cannot "
-            f"shorten them; leave dimensions out or set it to {len(vectors[0])}",
-            param="dimensions",
-        )
+    vectors, tokens = embedded
     return JSONResponse(
         {
             "model": body.model,
             "embeddings": vectors,
             "total_duration": time.perf_counter_ns() - started,
             "load_duration": 0,
-            "prompt_eval_count": int(result.get("prompt_tokens", 0)),
+            "prompt_eval_count": tokens,
         }
     )
 
@@ -385,8 +380,7 @@ async def embeddings(request: Request, body: shapes.EmbeddingsBody) -> JSONRespo
     keep_alive = parse_keep_alive(body.keep_alive)
     _embed_options(body.options)
     if not body.prompt:
-        async with services.scheduler.use(spec.id, keep_alive=keep_alive):
-            pass
+        await _load_only(services, spec, keep_alive)
         return JSONResponse({"embedding": []})
     payload = check_inputs(body.prompt, 1)
     result = await run_once(services.scheduler, spec.id, keep_alive, "embed", payload)

@@ -88,6 +88,33 @@ async def decode_for_alias(payload: EmbedRequest) -> EmbedRequest:
     )
 
 
+async def embed(
+    request: Request,
+    model_id: str,
+    keep_alive: float | None,
+    payload: EmbedRequest,
+    dimensions: int | None,
+) -> tuple[list[list[float]], int] | None:
+    """The vectors of ``payload`` and its prompt tokens (OpenAI's and Ollama's routes);
+    None when the client left, which stops the batch (the engine checks between its
+    batches). A ``dimensions`` other than the model's is a 400: vectors are not shortened."""
+    services = get_services(request)
+    try:
+        result = await unless_client_leaves(
+            request, run_once(services.scheduler, model_id, keep_alive, "embed", payload)
+        )
+    except ClientGone:
+        return None
+    vectors: list[list[float]] = result["embeddings"]
+    if dimensions is not None and vectors and dimensions != len(vectors[0]):
+        raise BadRequest(
+            f"the model {model_id!r} makes {len(vectors[0])}-dimensional embeddings and cannot "
+            f"shorten them; leave dimensions out or set it to {len(vectors[0])}",
+            param="dimensions",
+        )
+    return vectors, int(result.get("prompt_tokens", 0))
+
+
 def encode_base64(vector: list[float]) -> str:
     """OpenAI's base64 encoding: little-endian float32, no numpy needed."""
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
@@ -106,22 +133,11 @@ async def embeddings(request: Request, body: EmbeddingsRequest) -> JSONResponse:
         payload = await decode_for_alias(payload)
     record_model(request, spec)
     keep_alive = parse_keep_alive(body.keep_alive)
-    try:
-        # A client that leaves stops the batch: the engine checks between its batches.
-        result = await unless_client_leaves(
-            request, run_once(services.scheduler, spec.id, keep_alive, "embed", payload)
-        )
-    except ClientGone:
+    embedded = await embed(request, spec.id, keep_alive, payload, body.dimensions)
+    if embedded is None:
         return gone_response()  # type: ignore[return-value]
-    vectors: list[list[float]] = result["embeddings"]
-    if body.dimensions is not None and vectors and body.dimensions != len(vectors[0]):
-        raise BadRequest(
-            f"the model {spec.id!r} makes {len(vectors[0])}-dimensional embeddings and cannot "
-            f"shorten them; leave dimensions out or set it to {len(vectors[0])}",
-            param="dimensions",
-        )
+    vectors, tokens = embedded
     encode = encode_base64 if body.encoding_format == "base64" else list
-    tokens = int(result.get("prompt_tokens", 0))
     return JSONResponse(
         {
             "object": "list",
