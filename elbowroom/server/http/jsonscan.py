@@ -198,12 +198,16 @@ class IntegerWatch:
         return not (two[1] in b"+-" and two[0] in b"eE")
 
     def _refuse(self, digits: int, at_least: bool) -> None:
-        more = " or more" if at_least else ""
-        raise BadRequest(
-            f"The JSON body has an integer of {digits}{more} digits; at most "
-            f"{self.max_digits} are allowed (max_int_digits)",
-            code="integer_too_long",
-        )
+        raise integer_too_long(f"{digits}{' or more' if at_least else ''}", self.max_digits)
+
+
+def integer_too_long(digits: str, max_digits: int) -> BadRequest:
+    """The 400 for an integer literal over ``max_int_digits`` (the scan's and the parse's)."""
+    return BadRequest(
+        f"The JSON body has an integer of {digits} digits; at most {max_digits} are allowed "
+        "(max_int_digits)",
+        code="integer_too_long",
+    )
 
 
 def decode(body: bytes | bytearray) -> str:
@@ -262,12 +266,9 @@ def _int_parser(max_digits: int) -> Callable[[str], int]:
     quadratic time: 32 MB of them held the interpreter for seconds)."""
 
     def parse(text: str) -> int:
-        if len(text.lstrip("-")) > max_digits:
-            raise BadRequest(
-                f"The JSON body has an integer of {len(text.lstrip('-'))} digits; at most "
-                f"{max_digits} are allowed (max_int_digits)",
-                code="integer_too_long",
-            )
+        digits = len(text.lstrip("-"))
+        if digits > max_digits:
+            raise integer_too_long(str(digits), max_digits)
         return int(text)
 
     return parse
