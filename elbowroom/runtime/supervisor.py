@@ -64,8 +64,6 @@ START_METHODS = ("forkserver", "spawn")
 # itself (xllamacpp) is not preloaded: its OpenMP runtime reads GOMP_SPINCOUNT when it
 # loads, which the worker sets first (runtime/worker.py).
 PRELOAD = ("elbowroom.runtime.worker", "elbowroom.engines.registry", "elbowroom.engines.llama")
-_preload_lock = threading.Lock()
-_preload_set = False
 
 
 def start_context(method: str) -> SpawnContext | ForkServerContext:
@@ -78,11 +76,8 @@ def start_context(method: str) -> SpawnContext | ForkServerContext:
     if method != "forkserver":
         raise ValueError(f"runner_start must be one of {', '.join(START_METHODS)}, not {method!r}")
     ctx = multiprocessing.get_context("forkserver")
-    global _preload_set
-    with _preload_lock:
-        if not _preload_set:
-            ctx.set_forkserver_preload(list(PRELOAD))
-            _preload_set = True
+    # Read only when the forkserver starts: setting it again on every start is harmless.
+    ctx.set_forkserver_preload(list(PRELOAD))
     return ctx
 
 
