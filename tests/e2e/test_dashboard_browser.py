@@ -5,7 +5,7 @@ after an unload, a 507 marked as an event, and the pressure level changing.
 The server runs under ELBOWROOM_OVERRIDE_MEMORY=575MiB (a 543 MiB limit after the 32 MiB
 container margin; loads admitted up to 70 % of it, 380 MiB: whisper's ~283 MiB fits alone
 but not beside a pinned MiniLM; soft at 80 %, hard at 95 %; the server
-process's own ~50-70 MiB count as ours: docs/security.md) with a
+process's own bytes and its forkserver's (~165 MiB here) count as ours: docs/security.md) with a
 memory neighbour inside the override's accounting (tests/e2e/neighbour_exec.py: a child of
 the server process, so its bytes count as the server's, as a model growing past its
 prediction would). Allocating in it raises the real pressure level.
@@ -44,6 +44,7 @@ ASR = "whisper-tiny.en"  # 283 MiB predicted: more than the ceiling has left bes
 NEIGHBOUR = Path(__file__).with_name("neighbour_exec.py")
 SCREENSHOTS = REPO / "docs" / "img"
 WAIT_MS = 60_000
+MiB = 1 << 20
 # The one console error the page may cause: the browser logs the 507 answer it was given.
 EXPECTED = "status of 507"
 
@@ -73,6 +74,16 @@ def browser() -> Iterator[Any]:
         chromium = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         yield chromium
         chromium.close()
+
+
+def soft_band_middle(server: ServerProcess) -> int:
+    """MiB the neighbour should hold so that ours land halfway between soft and hard."""
+    state = server.http().get("/api/elbowroom/dashboard").json()
+    pool = next(p for p in state["pools"] if p["id"] == "memory")
+    middle = (int(pool["soft"]) + int(pool["hard"])) // 2
+    want = (middle - int(pool["own_usage"])) // MiB
+    assert want > 0, pool  # the server alone already past the middle of the band
+    return want
 
 
 def shoot(page: Any, name: str, tmp_path: Path) -> Path:
@@ -131,9 +142,11 @@ def test_dashboard_in_a_real_browser(
     assert page.locator(f'#models tr[data-model="{ASR}"]').count() == 0
     shoot(page, "507", tmp_path)
 
-    # The neighbour takes 330 MiB inside the override: ours (server, MiniLM, neighbour) cross
-    # the soft threshold (434 MiB), not the hard one (516 MiB).
-    (control / "want").write_text("330")
+    # The neighbour grows inside the override until ours (server, its forkserver, MiniLM,
+    # neighbour) sit in the middle of the band between the soft threshold (434 MiB) and the
+    # hard one (516 MiB). The server's own bytes vary by build and start method, so the
+    # neighbour's size comes from the usage the monitor measured, not a fixed number.
+    (control / "want").write_text(str(soft_band_middle(server)))
     expect(page.locator("#pressure-level")).to_have_text("soft", timeout=WAIT_MS)
     expect(page.locator("#pressure")).to_have_attribute("data-level", "soft")
     expect(page.locator("#timeline-svg rect[data-level=soft]").first).to_be_visible()
