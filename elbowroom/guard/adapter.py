@@ -64,10 +64,10 @@ class SchedulerTarget:
 
     def _loading(self, model_id: str, pools: Mapping[str, int]) -> LoadedModel | None:
         """A load in progress, as the guard sees it: its runner's measured bytes (a crafted
-        model can grow far past its prediction while it loads), idle and *pinned*, so the
-        ladder stops it only at hard and only when no idle model is left to unload (the
-        last resort, before the kernel's OOM killer). Never told levels (``llm`` False):
-        a loading runner does not read them."""
+        model can grow far past its prediction while it loads), idle and *pinned* (never
+        one of the idle models the ladder unloads); the ladder stops it at soft unless the
+        idle unloads cover the excess, and at hard. Never told levels (``llm`` False): a
+        loading runner does not read them."""
         rec = self._scheduler.residency.loaded.get(model_id)
         if rec is None or rec.phase is not Phase.LOADING:
             return None
@@ -127,7 +127,7 @@ class SchedulerTarget:
         """Returns once the model is gone: a busy model (evicted at hard) stops when its
         aborted requests have ended, and until then its bytes are still being freed."""
         stopped = await self._scheduler.residency.stop_load(
-            model, "memory pressure reached the hard threshold while it loaded"
+            model, "memory pressure rose while it loaded"
         )
         if stopped is not None:  # a load in progress: its runner is killed
             deadline = time.monotonic() + timeout

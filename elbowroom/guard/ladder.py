@@ -13,13 +13,16 @@ The rungs, in order (each level does everything the levels below it do):
   save stalls the engine and adds its state to the page cache; an unload at soft still
   saves the runner's slots as it closes); unload
   idle unpinned models, least recently used first (keep-alive does not protect them),
-  until the bytes over the soft threshold are freed. When usage is not over in bytes (the
+  until the bytes over the soft threshold are freed; stop a load in progress unless
+  those unloads alone cover the excess (a load paused a moment too late is still a load
+  into memory that is running out). When usage is not over in bytes (the
   level comes from PSI, which is a 10 s average and lags), one model goes when the level
   rises and no more: unloading one per sample would empty the server for a stall that has
   already ended. Usage is counted net of the unloads still under way (``Reading.freeing``),
   so one excess is never answered twice.
 - hard (over ``hard_fraction``, or PSI over ``psi_hard``): refuse new requests with 503
-  + Retry-After until back under soft; unload every idle unpinned model; then abort ONE
+  + Retry-After until back under soft; unload every idle unpinned model and stop every
+  load in progress; then abort ONE
   generation per sample (first the newest: least work lost; then the largest: most memory
   freed), and only when the unloads in progress cannot get usage under the hard threshold.
   An abort frees little by itself (an LLM's KV cache is allocated when it loads), so when
@@ -76,7 +79,7 @@ class LoadedModel:
     llm: bool = False  # its runner takes pressure levels (slot saves, per-token checks)
     runner_level: Pressure = Pressure.NORMAL  # the level last sent to its runner
     pools: tuple[tuple[str, int], ...] = ()  # bytes it holds in GPU pools ("gpu0", ...)
-    loading: bool = False  # a load in progress (guard/adapter.py: idle and pinned)
+    loading: bool = False  # a load in progress (guard/adapter.py): stopped at soft or hard
 
     def pool_bytes(self, pool: str) -> int:
         return sum(b for p, b in self.pools if p == pool)
@@ -167,8 +170,15 @@ class Unload:
     pool: str = "host"  # the pool whose pressure chose it (usage/threshold are that pool's)
     pool_bytes: int = 0  # what it holds in that pool, when that is a GPU
     why: str | None = None  # the signal that set the level when usage is not over
+    loading: bool = False  # a load in progress: its runner is killed, its waiters get 503
 
     def message(self) -> str:
+        if self.loading:
+            return (
+                f"stopping the load of {self.model} ({format_size(self.bytes)} so far) at "
+                f"{self.level.label} pressure: "
+                f"{_over(self.usage, self.threshold, self.level.label, self.why)}"
+            )
         what = "pinned model" if self.pinned else "idle model"
         if self.busy:
             what = "busy model (its generations aborted)"
@@ -352,16 +362,28 @@ def _unloads(
         (m for m in models if m.busy == 0 and not m.pinned),
         key=lambda m: (m.last_used, m.id),
     )
+    loads = sorted((m for m in models if m.loading), key=lambda m: m.id)
     if level >= Pressure.HARD:
         taken = order
+        stop = loads
     else:
         excess = reading.usage - reading.soft
         # No byte excess: either unloads under way cover it (wait for them), or the level
         # comes from PSI: one model on the rising edge only.
         first = order[:1] if prev < level and reading.freeing == 0 else []
         taken = lru_prefix(order, excess)[0] if excess > 0 else first
+        # A load in progress is new bytes arriving into memory under pressure, as a paused
+        # load would be: it is stopped unless the idle unloads alone bring usage under soft
+        # (with no byte excess the level comes from the trend or PSI: memory is still
+        # rising, and a load finishing into it would take requests that the next rung must
+        # then abort, with nothing idle left to unload).
+        covered = excess > 0 and sum(m.bytes for m in taken) >= excess
+        stop = [] if covered else loads
     threshold = reading.hard if level >= Pressure.HARD else reading.soft
-    return [Unload(m.id, m.bytes, level, reading.usage, threshold) for m in taken]
+    return [Unload(m.id, m.bytes, level, reading.usage, threshold) for m in taken] + [
+        Unload(m.id, m.bytes, level, reading.usage, threshold, pinned=True, loading=True)
+        for m in stop
+    ]
 
 
 def _gpu_rungs(
