@@ -59,9 +59,14 @@ N_BATCH = 512
 
 # A preempted stream's continuation waits at most this long for the request that took its
 # slot to decode its first token (its prefill then has the engine to itself: the
-# continuation's restore and decode do not delay it), polling every HANDOFF_POLL_S.
+# continuation's restore and decode do not delay it), polling every HANDOFF_POLL_S. Each
+# poll wakes the engine's HTTP thread and this one beside the engine's compute threads,
+# which use every core of a CPU build: polled every 10 ms, a 14-token prefill of the
+# dropped-stream benchmark took a median ~25 ms longer than polled every 50 ms
+# (benchmarks/dropped_stream.py, 6 rounds each); the preempted stream's pause grows by at
+# most one poll.
 HANDOFF_WAIT_S = 2.0
-HANDOFF_POLL_S = 0.01
+HANDOFF_POLL_S = 0.05
 
 # Used for chat when the GGUF carries no chat template (base models such as gemma3 270m).
 FALLBACK_ROLES = {"system": "System", "user": "User", "assistant": "Assistant", "tool": "Tool"}
@@ -324,6 +329,8 @@ class LlamaEngine:
         request, always a stream. What the relay rewrites on the way is named in the
         ticket: emulated tool calls (parsed at the end), a chat answered from the
         no-template transcript (completion events)."""
+        if request.resumed:  # first, before any of its own work shares the engine's cores
+            self._handoff(request.resumed)
         body, emulated = self._body(request)
         chat = "messages" in body
         transcript = request.kind == "chat" and not chat
@@ -331,7 +338,6 @@ class LlamaEngine:
         slot, isolated = self._take_slot(body, request.isolated, chat, bool(request.resumed))
         if request.resumed:  # the preempted slot's state, saved at its close
             assert self._slot_pool is not None
-            self._handoff(request.resumed)
             self._slot_pool.restore_state(slot, f"preempted-{request.resumed}.bin")
         with self._lock:
             ticket = self._next_ticket = self._next_ticket + 1
@@ -468,8 +474,9 @@ class LlamaEngine:
         with self._lock:
             self._active += 1
         try:
-            if not isolated:
-                pool.prepare(slot, "chat" if chat else "completion", _template_body(body))
+            if not isolated:  # a resumed stream restores its own saved state next
+                op = "chat" if chat else "completion"
+                pool.prepare(slot, op, _template_body(body), lookup=not resumed)
         except BaseException:
             self._give_slot(slot, isolated)
             raise

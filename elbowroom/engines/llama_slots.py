@@ -342,15 +342,17 @@ class Slots:
 
     # ---- disk tier ---------------------------------------------------------------------
 
-    def prepare(self, slot: int, op: str, body: dict[str, Any]) -> int:
+    def prepare(self, slot: int, op: str, body: dict[str, Any], *, lookup: bool = True) -> int:
         """Restore a saved state into ``slot`` when it holds a longer usable prefix of this
-        prompt than the slot does; return the tokens restored (0: none)."""
+        prompt than the slot does; return the tokens restored (0: none). ``lookup`` False:
+        only note the slot's new prompt (a preempted stream's continuation brings its own
+        state: a disk-tier lookup would tokenize its prompt for nothing)."""
         cache = self._cache
         if cache is None:
             return 0
         self._prompts[slot] = (op, body)
         before, self._known[slot] = self._known[slot], _Tokenized()  # until this one's known
-        if cache.stats()["entries_disk"] == 0:
+        if not lookup or cache.stats()["entries_disk"] == 0:
             return 0  # unknown until tokenized: nothing to compare yet
         started = time.perf_counter()
         try:

@@ -29,8 +29,9 @@ server/stream/relay.py ``Relay._blocks``):
    runner saved the preempted slot's state (the engine's slot save, into its private slot
    folder) when the ticket was given back, before the waiting request got the slot, and
    restores it into the continuation's slot: only the seam is computed again, not the
-   prompt. The restore waits until the request that took the slot has decoded its first
-   token (engines/llama.py ``_handoff``, at most ``HANDOFF_WAIT_S``).
+   prompt. The continuation's open waits, before any of its own work, until the request
+   that took the slot has decoded its first token (engines/llama.py ``_handoff``, at most
+   ``HANDOFF_WAIT_S``).
 3. The continuation's engine events join the same stream before any rewriter sees them:
    its ``id`` is rewritten to the first one's, its opening role-only chunk is dropped,
    and its usage counts the tokens sent before the preemption as completion tokens (not

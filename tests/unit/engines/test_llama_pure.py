@@ -449,6 +449,37 @@ def test_a_conversation_s_next_turn_tokenizes_only_what_it_adds(tmp_path: Path) 
     assert cache.seen[-1][0] == engine.tokens(engine.render(edited))
 
 
+def test_a_continuation_looks_nothing_up_but_its_prompt_is_saved_by_its_text(
+    tmp_path: Path,
+) -> None:
+    """A preempted stream's continuation restores its own saved state: a disk-tier lookup
+    would render and tokenize its ~1,800-token prompt on the engine's cores while the
+    request that took its slot prefills (``prepare(lookup=False)``). Its slot still notes
+    the prompt, so a later save indexes the state by this prompt, not the slot's last."""
+    engine = _CharEngine(tmp_path)
+    cache = _Lookups(
+        CacheKey("m", 1024, "f16"), block_tokens=64, ram_budget=0, disk_dir=tmp_path / "kv",
+        disk_max=MiB,
+    )  # fmt: skip
+    cache.seen = []
+    state = SEQ_MAGIC.to_bytes(4, "little") + (4).to_bytes(4, "little") + b"\0" * 64
+    assert cache.store(tuple(range(2, 200)), state)  # something on disk: lookups would run
+    cache.flush()
+    slots = Slots(cast(EngineControl, engine), 1, cache, tmp_path, block_tokens=64)
+    before = [{"role": "user", "content": "What was here before. " * 4}]
+    slot = slots.acquire("x")
+    slots.prepare(slot, "chat", {"messages": before})
+    slots.release(slot)
+    looked, renders = len(cache.seen), engine.renders
+    resumed = [{"role": "user", "content": "Tell me about the sea and its old ships. " * 3}]
+    slot = slots.acquire(engine.render(resumed), resumed=True)
+    assert slots.prepare(slot, "chat", {"messages": resumed}, lookup=False) == 0
+    assert (len(cache.seen), engine.renders) == (looked, renders)  # nothing rendered
+    slots.release(slot)
+    assert slots.save_all() == 1
+    assert engine.tokenized[-1] == (engine.render(resumed), True)  # indexed by its own text
+
+
 def test_a_new_runner_tokenizes_only_what_a_saved_prompt_lacks(tmp_path: Path) -> None:
     """The disk tier keeps each saved prompt's text: a runner started later (after a swap
     or a restart) tokenizes only what a request adds to it, or nothing for the same one."""
