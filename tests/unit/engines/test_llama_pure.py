@@ -412,17 +412,23 @@ class _Lookups(PrefixCache):
         return super().lookup(tokens, live)
 
 
-def test_a_conversation_s_next_turn_tokenizes_only_what_it_adds(tmp_path: Path) -> None:
-    engine = _CharEngine()
+def _with_a_saved_state(engine: _CharEngine, tmp_path: Path, n: int) -> tuple[_Lookups, Slots]:
+    """``n`` slots over a disk tier holding another conversation's state (so that a
+    request's ``prepare`` looks its prompt up)."""
     cache = _Lookups(
         CacheKey("m", 1024, "f16"), block_tokens=64, ram_budget=0, disk_dir=tmp_path / "kv",
         disk_max=MiB,
     )  # fmt: skip
     cache.seen = []
     state = SEQ_MAGIC.to_bytes(4, "little") + (4).to_bytes(4, "little") + b"\0" * 64
-    assert cache.store(tuple(range(2, 200)), state)  # another conversation's state on disk
+    assert cache.store(tuple(range(2, 200)), state)
     cache.flush()
-    slots = Slots(cast(EngineControl, engine), 2, cache, tmp_path, block_tokens=64)
+    return cache, Slots(cast(EngineControl, engine), n, cache, tmp_path, block_tokens=64)
+
+
+def test_a_conversation_s_next_turn_tokenizes_only_what_it_adds(tmp_path: Path) -> None:
+    engine = _CharEngine()
+    cache, slots = _with_a_saved_state(engine, tmp_path, 2)
 
     def turn(messages: list[dict[str, str]]) -> int:
         rendered = engine.render(messages)
@@ -457,15 +463,7 @@ def test_a_continuation_looks_nothing_up_but_its_prompt_is_saved_by_its_text(
     request that took its slot prefills (``prepare(lookup=False)``). Its slot still notes
     the prompt, so a later save indexes the state by this prompt, not the slot's last."""
     engine = _CharEngine(tmp_path)
-    cache = _Lookups(
-        CacheKey("m", 1024, "f16"), block_tokens=64, ram_budget=0, disk_dir=tmp_path / "kv",
-        disk_max=MiB,
-    )  # fmt: skip
-    cache.seen = []
-    state = SEQ_MAGIC.to_bytes(4, "little") + (4).to_bytes(4, "little") + b"\0" * 64
-    assert cache.store(tuple(range(2, 200)), state)  # something on disk: lookups would run
-    cache.flush()
-    slots = Slots(cast(EngineControl, engine), 1, cache, tmp_path, block_tokens=64)
+    cache, slots = _with_a_saved_state(engine, tmp_path, 1)
     before = [{"role": "user", "content": "What was here before. " * 4}]
     slot = slots.acquire("x")
     slots.prepare(slot, "chat", {"messages": before})
