@@ -490,15 +490,7 @@ class PressureGuard:
             self._target.set_pressure(action.model, action.level)
         elif isinstance(action, Unload):
             model = action.model
-            reason = (
-                "loading"
-                if action.loading
-                else "pinned"
-                if action.pinned
-                else "busy"
-                if action.busy
-                else reason
-            )
+            reason = action.cause or reason
             pending = _Unloading(action.bytes, asyncio.create_task(self._unload(action.model)))
             pending.task.add_done_callback(functools.partial(_mark_done, pending))
             self._unloading[action.model] = pending

@@ -172,6 +172,15 @@ class Unload:
     why: str | None = None  # the signal that set the level when usage is not over
     loading: bool = False  # a load in progress: its runner is killed, its waiters get 503
 
+    @property
+    def cause(self) -> str | None:
+        """What kind of unload this is when not an idle model's (the counters' reason)."""
+        if self.loading:
+            return "loading"
+        if self.pinned:
+            return "pinned"
+        return "busy" if self.busy else None
+
     def message(self) -> str:
         if self.loading:
             return (
