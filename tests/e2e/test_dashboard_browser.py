@@ -78,7 +78,8 @@ def browser() -> Iterator[Any]:
 
 def soft_band_middle(server: ServerProcess) -> int:
     """MiB the neighbour should hold so that ours land halfway between soft and hard."""
-    state = server.http().get("/api/elbowroom/dashboard").json()
+    with server.http() as http:
+        state = http.get("/api/elbowroom/dashboard").json()
     pool = next(p for p in state["pools"] if p["id"] == "memory")
     middle = (int(pool["soft"]) + int(pool["hard"])) // 2
     want = (middle - int(pool["own_usage"])) // MiB

@@ -14,21 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from placeholder_spec import SPEC
 
 from elbowroom.cluster.agent import spawn_bare
 from elbowroom.engines.options import EngineOptions
-from elbowroom.models.spec import Holding, ModelKind, ModelSpec
+from elbowroom.models.spec import ModelSpec
 from elbowroom.runtime.supervisor import spawn_worker
-
-SPEC = ModelSpec(
-    id="x",
-    kind=ModelKind.LLM,
-    engine="llama",
-    path=Path("/nonexistent/x.gguf"),
-    size_bytes=1,
-    holding=Holding.MMAP,
-    source="path",
-)
 
 
 def quiet(conn: object, spec: ModelSpec, options: EngineOptions) -> None:

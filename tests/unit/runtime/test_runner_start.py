@@ -6,27 +6,16 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-from pathlib import Path
 from typing import Any
 
 import pytest
 import start_probe
+from placeholder_spec import SPEC
 
 from elbowroom.config import ConfigError, load_settings
 from elbowroom.engines.options import EngineOptions
 from elbowroom.memory.process import ServerBytes, forkserver_pid, measure_pid
-from elbowroom.models.spec import Holding, ModelKind, ModelSpec
 from elbowroom.runtime.supervisor import PRELOAD, spawn_worker
-
-SPEC = ModelSpec(
-    id="x",
-    kind=ModelKind.LLM,
-    engine="llama",
-    path=Path("/nonexistent/x.gguf"),
-    size_bytes=1,
-    holding=Holding.MMAP,
-    source="path",
-)
 
 
 def started(method: str) -> dict[str, Any]:
