@@ -29,7 +29,7 @@ from elbowroom.engines.base import Cancelled, Emit, PressureLevel
 from elbowroom.engines.llama_control import EngineControl
 from elbowroom.engines.llama_grammar import constrain, costly_tools
 from elbowroom.engines.llama_log import PromptCacheLog
-from elbowroom.engines.llama_slots import Slots
+from elbowroom.engines.llama_slots import Holder, Slots
 from elbowroom.engines.llama_tools import plan as plan_tools
 from elbowroom.engines.options import EngineOptions, LlamaOptions, expect
 from elbowroom.engines.requests import CloseTicket, Payload, TextRequest, TextTicket
@@ -137,8 +137,8 @@ class LlamaEngine:
         version = str(getattr(xllamacpp, "__version__", "?"))
         key = CacheKey(spec.identity, self._n_ctx, kv_type, engine=f"xllamacpp {version}")
         slots = self._slot_pool = Slots.create(control, self._slots, key, opts)
-        if opts.preempt:
-            slots.preempt = self._preempt
+        slots.holder = self._holder
+        slots.may_preempt = opts.preempt
         # Reported cached_tokens are rounded down to whole cache blocks: exact counts would
         # let one client probe, token by token, what another client's prompt began with.
         self._block = slots.block_tokens
@@ -390,27 +390,34 @@ class LlamaEngine:
             self._give_timings(closing.timings)
         return {"closed": True}
 
-    def _preempt(self, slot: int) -> bool:
-        """End the generation on ``slot`` for a request that needs its prefix (Slots.acquire
-        calls this): when a resumable relayed stream holds it and is past its prefill, the
-        server is told to close it and resume it elsewhere (server/stream/resume.py). False: the
-        slot is not preemptible; the request waits for it or recomputes."""
+    def _holder(self, slot: int, preempt: bool) -> Holder:
+        """What ``slot``, busy with a prompt a waiting request shares a long prefix with, is
+        doing (Slots.acquire asks): not yet past its prefill, or generating; with
+        ``preempt``, a generating slot held by a resumable relayed stream is preempted: the
+        server is told to close that stream and resume it elsewhere (server/stream/resume.py)."""
+        phase, cached = self._phase(slot)
+        if phase in ("idle", "prefilling"):
+            return Holder.PREFILLING
+        if phase == "unknown":
+            return Holder.KEPT  # the engine cannot be read: wait blind, as before
         notify = self.notify
         with self._lock:
             ticket = next((t for t, s in self._resumable.items() if s == slot), None)
-        if ticket is None or notify is None or not self._generating(slot):
-            return False
+        if not preempt or ticket is None or notify is None:
+            return Holder.KEPT
         assert self._slot_pool is not None
         taken, _ = self._slot_pool.taken(slot)
         with self._lock:
             if self._resumable.pop(ticket, None) is None:
-                return False  # closed meanwhile
+                return Holder.KEPT  # closed meanwhile
             self._handoffs[ticket] = (slot, taken)
             while len(self._handoffs) > 4 * self._slots:  # continuations that never came
                 del self._handoffs[next(iter(self._handoffs))]
-        notify({"preempt": ticket})
+        # The prompt tokens the preempted request reused: its continuation restores them all,
+        # and its usage would call them cached (server/stream/resume.py ``fix_usage``).
+        notify({"preempt": ticket, "cached": cached})
         log.info("preempt: told the server to end ticket %d on slot %d", ticket, slot)
-        return True
+        return Holder.PREEMPTED
 
     def _handoff(self, preempted: int) -> None:
         """The continuation of the ``preempted`` ticket waits until the request that took
@@ -442,19 +449,29 @@ class LlamaEngine:
 
     def _generating(self, slot: int) -> bool:
         """Whether the engine's ``slot`` has decoded a token (past its prefill)."""
+        return self._phase(slot)[0] == "generating"
+
+    def _phase(self, slot: int) -> tuple[str, int]:
+        """The engine's ``slot``: "generating" (decoded a token), "prefilling" (processing,
+        none decoded yet) or "idle" (not processing: the request taking it has not reached
+        the engine yet, or it has ended); "unknown" when the engine cannot be read. And how
+        many of its request's prompt tokens the engine reused (``n_prompt_tokens_cache``)."""
         assert self._control is not None
         try:
             slots = self._control.request("GET", "/slots", None)
         except (OSError, RuntimeError, ValueError) as exc:
             log.debug("cannot read the engine's slots: %s", exc)
-            return False
+            return "unknown", 0
         for entry in slots if isinstance(slots, list) else ():
             if isinstance(entry, dict) and entry.get("id") == slot:
+                cached = int(entry.get("n_prompt_tokens_cache") or 0)
+                if not entry.get("is_processing"):
+                    return "idle", cached
                 tokens = entry.get("next_token")
                 first = tokens[0] if isinstance(tokens, list) and tokens else tokens
                 decoded = first.get("n_decoded", 0) if isinstance(first, dict) else 0
-                return bool(entry.get("is_processing")) and int(decoded) > 0
-        return False
+                return ("generating" if int(decoded) > 0 else "prefilling"), cached
+        return "idle", 0
 
     # ---- slots ------------------------------------------------------------------------
 

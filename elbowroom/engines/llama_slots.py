@@ -18,6 +18,7 @@ empty free set, when idle slots were held for saves under pressure, no longer do
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import struct
@@ -60,6 +61,20 @@ MAX_PREFIX_WAIT_S = 120.0
 # PREEMPT_WAIT_S for the preempted stream's relay to close (then it recomputes).
 MIN_PREEMPT_S = 1.0
 PREEMPT_WAIT_S = 30.0
+# A busy slot not yet past its prefill is asked again this often (each ask reads the
+# engine's /slots, which wakes its threads: not much more often than this).
+HOLDER_POLL_S = 0.25
+
+
+class Holder(enum.Enum):
+    """What the engine says of a busy slot that holds a waiting request's prefix."""
+
+    PREEMPTED = "preempted"  # its stream is being ended: the slot comes free, claimed
+    # Not past its prefill (opening, restoring or computing its prompt, which begins with
+    # the waiting request's prefix): it will hold that prefix before a recompute beside it
+    # would, since it started first and the two would share the cores. Asked again.
+    PREFILLING = "prefilling"
+    KEPT = "kept"  # generating, and not preempted (not asked to, or not resumable)
 
 
 def is_slot_state(blob: bytes) -> bool:
@@ -107,10 +122,12 @@ class Slots:
         self._last_used = dict.fromkeys(range(slots), 0.0)
         self._prefill_tps = 0.0  # the engine's measured prefill speed (tokens/s), 0: unknown
         self.prefix_waits = 0  # requests that waited for the busy slot holding their prefix
-        # Preempt and resume (docs/kvcache.md#preempt): called, without the lock, with a
-        # busy slot that holds a request's long prefix; True when that slot's generation is
-        # being ended (its stream resumes on another slot) and the slot will come free.
-        self.preempt: Callable[[int], bool] | None = None
+        # Asked, without the lock, about a busy slot that holds a waiting request's long
+        # prefix, with whether to preempt it (preempt and resume, docs/kvcache.md#preempt:
+        # its generation is ended, its stream resumes on another slot, the slot comes
+        # free); None: busy slots are waited for up to the recompute estimate, blind.
+        self.holder: Callable[[int, bool], Holder] | None = None
+        self.may_preempt = False  # kv_preempt
         self.preemptions = 0
         self._taken = dict.fromkeys(range(slots), 0)  # times each slot was acquired
         self._claimed: dict[int, int] = {}  # slot -> the waiting request it was freed for
@@ -161,11 +178,18 @@ class Slots:
         moment after the next request is the same race. On a machine whose cores the
         prefills share, running the two prefills side by side would not have been faster.
 
-        With ``preempt`` set, such a slot's generation is ended at once instead, when that
-        saves at least MIN_PREEMPT_S of recompute: its stream resumes on another slot
-        (server/stream/resume.py), and the slot is claimed for this request, so the resumed one
-        cannot take it back. ``resumed``: that resumed stream itself: it takes the best free
-        slot at once (never waits, never preempts).
+        While that slot is still prefilling (its prompt begins with this one's prefix) the
+        wait goes on past that estimate: it will hold the prefix before a recompute beside
+        it would, and on a machine whose cores the prefills share, the recompute would slow
+        it down too (the arena's four requests for one model's system prompt each
+        recomputed it side by side after ~10 s of waiting). The engine is asked every
+        HOLDER_POLL_S (``holder``); the wait ends at MAX_PREFIX_WAIT_S in any case.
+
+        With ``may_preempt`` set, such a slot's generation is ended as soon as it is past its
+        prefill, when that saves at least MIN_PREEMPT_S of recompute: its stream resumes on
+        another slot (server/stream/resume.py), and the slot is claimed for this request,
+        so the resumed one cannot take it back. ``resumed``: that resumed stream itself: it
+        takes the best free slot at once (never waits, never preempts).
         """
         whole = len(key)
         key = key[:MAX_KEY_CHARS]
@@ -191,9 +215,11 @@ class Slots:
                 finally:
                     self.waiting -= 1
             deadline: float | None = None
+            waited_from = 0.0
+            next_ask = 0.0  # when to ask the engine about the busy slot again
             self._claims += 1
             me = self._claims
-            tried_preempt = False
+            tried_preempt = said_prefilling = False
             while True:
                 claimed = [s for s, owner in self._claimed.items() if owner == me]
                 if claimed and claimed[0] in self._free:
@@ -205,6 +231,7 @@ class Slots:
                     break
                 now = time.monotonic()
                 if deadline is None:
+                    waited_from = now
                     deadline = now + self._recompute_seconds(gain)
                     self.prefix_waits += 1
                     log.info(
@@ -213,30 +240,53 @@ class Slots:
                         gain,
                         deadline - now,
                     )
-                preempt = self.preempt
-                if (
-                    not tried_preempt
-                    and preempt is not None
-                    and gain / CHARS_PER_TOKEN / (self._prefill_tps or DEFAULT_PREFILL_TPS)
-                    >= MIN_PREEMPT_S
-                ):
-                    tried_preempt = True
-                    log.info("preempt: asking for slot %d", busy)
+                holder = self.holder
+                if holder is not None and now >= next_ask:
+                    worth = (
+                        self.may_preempt
+                        and not tried_preempt
+                        and gain / CHARS_PER_TOKEN / (self._prefill_tps or DEFAULT_PREFILL_TPS)
+                        >= MIN_PREEMPT_S
+                    )
+                    if worth and not said_prefilling:
+                        log.info("preempt: asking for slot %d", busy)
                     self._lock.release()
                     try:
-                        ended = preempt(busy)
+                        answer = holder(busy, worth)
                     finally:
                         self._lock.acquire()
-                    if ended:
+                    next_ask = now + HOLDER_POLL_S
+                    if answer is Holder.PREEMPTED:
+                        tried_preempt = True
+                        next_ask = float("inf")
                         self.preemptions += 1
                         self._claimed[busy] = me
                         deadline = max(deadline, now + PREEMPT_WAIT_S)
                         log.info("preempted the stream on slot %d for this prompt's prefix", busy)
-                    continue
+                        continue
+                    if answer is Holder.PREFILLING:
+                        if not said_prefilling:
+                            said_prefilling = True
+                            log.info(
+                                "slot %d is still computing this prompt's prefix: waiting "
+                                "for it rather than computing it beside it",
+                                busy,
+                            )
+                        deadline = max(
+                            deadline,
+                            min(
+                                waited_from + MAX_PREFIX_WAIT_S,
+                                now + HOLDER_POLL_S + self._recompute_seconds(gain),
+                            ),
+                        )
+                    else:  # generating: its answer's end is all there is to wait for
+                        tried_preempt = tried_preempt or worth
+                        next_ask = float("inf")
                 if now >= deadline:
                     log.info("the slot holding this prompt's prefix stayed busy: recomputing")
                     break
-                self._slot_freed.wait(deadline - now)
+                wake = deadline if holder is None else min(deadline, next_ask)
+                self._slot_freed.wait(wake - now)
             for s, owner in list(self._claimed.items()):
                 if owner == me:
                     del self._claimed[s]

@@ -16,6 +16,7 @@ from elbowroom.engines.llama_slots import (
     MAX_KEY_CHARS,
     MIN_WAIT_CHARS,
     SEQ_MAGIC,
+    Holder,
     Slots,
     is_slot_state,
 )
@@ -180,7 +181,8 @@ def _preempting(rules: int) -> tuple[Slots, list[int], int, str, list[int], thre
     control = cast(EngineControl, _NoControl())
     slots = Slots(control, 3, None, save_dir=Path("/nonexistent"), block_tokens=64)
     asked: list[int] = []
-    slots.preempt = lambda slot: asked.append(slot) is None  # True: it will come free
+    slots.holder = lambda slot, preempt: (asked.append(slot), Holder.PREEMPTED)[1]
+    slots.may_preempt = True
     slots.observe_prefill({"prompt_n": 1000, "prompt_ms": 10_000.0})  # 100 tokens/s
     prefix = "system: " + "".join(f"Rule {i}: check shelf {i % 17}.\n" for i in range(rules))
     first = slots.acquire(prefix + "user: question one")
@@ -211,7 +213,7 @@ def test_a_busy_slot_holding_a_long_prefix_is_preempted_and_claimed() -> None:
     waiter.join(30)
     assert got == [first] and slots.preemptions == 1
     # A holder that cannot be preempted: waited for, no preemption counted.
-    slots.preempt = lambda slot: False
+    slots.holder = lambda slot, preempt: Holder.KEPT
     third: list[int] = []
     again = threading.Thread(target=lambda: third.append(slots.acquire(prefix + "user: 3")))
     again.start()
@@ -222,6 +224,61 @@ def test_a_busy_slot_holding_a_long_prefix_is_preempted_and_claimed() -> None:
     slots.release(first)
     again.join(30)
     assert third == [first]
+
+
+def test_a_slot_still_prefilling_the_prefix_is_waited_for_past_the_recompute_estimate() -> None:
+    """Issue 24's arena: four requests for one model's shared system prompt each recomputed
+    it side by side — the three later ones waited the recompute estimate (~10 s) for the
+    slot prefilling it, which on two busy cores took 14 s, then gave up. While the holder
+    is not past its prefill the wait goes on (it is asked every HOLDER_POLL_S); once it
+    generates it is preempted. Without preemption, a holder that turns to generating is
+    waited for one more recompute estimate, then the request recomputes elsewhere."""
+    control = cast(EngineControl, _NoControl())
+    slots = Slots(control, 3, None, save_dir=Path("/nonexistent"), block_tokens=64)
+    slots.observe_prefill({"prompt_n": 100_000, "prompt_ms": 1000.0})  # ~0.02 s estimate
+    prefix = "system: " + "".join(f"Rule {i}: check shelf {i % 17}.\n" for i in range(200))
+    first = slots.acquire(prefix + "user: question one")
+    phase = [Holder.PREFILLING]
+    asked: list[tuple[int, bool]] = []
+
+    def holder(slot: int, preempt: bool) -> Holder:
+        asked.append((slot, preempt))
+        return phase[0]
+
+    slots.holder = holder
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(slots.acquire(prefix + "user: two")))
+    waiter.start()
+    deadline = time.monotonic() + 30
+    while len(asked) < 4 and time.monotonic() < deadline:  # ~0.75 s: 40x the estimate
+        time.sleep(0.01)
+    assert len(asked) >= 4 and not got and {a[0] for a in asked} == {first}
+    assert not any(p for _, p in asked)  # may_preempt is off: never asked to preempt
+    phase[0] = Holder.KEPT  # past its prefill, not preemptible: one more estimate, then on
+    waiter.join(10)
+    assert got and got[0] != first and slots.prefix_waits == 1
+    # With preemption (and a slow engine: worth it): asked to preempt at each ask until it
+    # generates, then claimed. (A fresh pool: the recompute above left the prefix free.)
+    slots = Slots(control, 3, None, save_dir=Path("/nonexistent"), block_tokens=64)
+    slots.holder = holder
+    slots.may_preempt = True
+    slots.observe_prefill({"prompt_n": 1000, "prompt_ms": 10_000.0})  # 100 tokens/s
+    first = slots.acquire(prefix + "user: question one")
+    phase[0] = Holder.PREFILLING
+    asked.clear()
+    got.clear()
+    waiter = threading.Thread(target=lambda: got.append(slots.acquire(prefix + "user: three")))
+    waiter.start()
+    deadline = time.monotonic() + 30
+    while len(asked) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    phase[0] = Holder.PREEMPTED
+    while slots.preemptions < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert slots.preemptions == 1 and not got and all(p for _, p in asked)
+    slots.release(first)  # the preempted stream's relay closed
+    waiter.join(10)
+    assert got == [first]
 
 
 def test_past_the_key_cut_a_free_slot_with_the_prefix_is_taken_without_preempting() -> None:
@@ -239,7 +296,8 @@ def test_past_the_key_cut_a_free_slot_with_the_prefix_is_taken_without_preemptin
     slots.release(free)
     assert busy != free
     asked: list[int] = []
-    slots.preempt = lambda slot: asked.append(slot) is None
+    slots.holder = lambda slot, preempt: (asked.append(slot), Holder.PREEMPTED)[1]
+    slots.may_preempt = True
     slots._prefill_tps = 100.0  # slow now: the busy slot would be worth preempting
     waits = slots.prefix_waits
     assert slots.acquire(prefix + "user: question three") == free
@@ -300,7 +358,8 @@ def test_a_preempted_streams_continuation_waits_for_the_first_token_it_was_preem
     slot = slots.acquire(prefix + "user: question one")
     engine._resumable[7] = slot
     control.state[slot] = (True, 5)  # past its prefill: preemptible
-    assert engine._preempt(slot) and notices == [{"preempt": 7}]
+    assert engine._holder(slot, True) is Holder.PREEMPTED
+    assert notices == [{"preempt": 7, "cached": 0}]
     control.state[slot] = (False, 0)  # cancelled; its state saved; the slot given back
     slots.release(slot)
     done = threading.Event()
@@ -317,7 +376,7 @@ def test_a_preempted_streams_continuation_waits_for_the_first_token_it_was_preem
     slots.release(slot)
     engine._resumable[8] = slot
     control.state[slot] = (True, 5)
-    assert engine._preempt(slot)
+    assert engine._holder(slot, True) is Holder.PREEMPTED
     control.state[slot] = (False, 0)
     started = time.monotonic()
     engine._handoff(8)
@@ -539,3 +598,36 @@ def test_relief_saves_no_slot_state_at_any_level(tmp_path: Path, level: int) -> 
     engine._slot_pool, engine._server = slots, object()  # a loaded engine, at its edges
     engine.relieve(level)
     assert control.calls == [] and list((tmp_path / "kv").glob("**/*.kv*")) == []
+
+
+def test_the_engine_tells_a_prefilling_holder_from_a_generating_one() -> None:
+    """``LlamaEngine._holder`` from the engine's ``GET /slots``: a slot taken but not yet
+    processing, or processing with nothing decoded, is prefilling (wait for it); a
+    generating slot is preempted only when asked to and held by a resumable stream; an
+    engine that cannot be read is "kept" (the request waits blind, as before)."""
+    from elbowroom.engines.llama import LlamaEngine
+
+    control = _SlotsControl(2)
+    slots = Slots(cast(EngineControl, control), 2, None, Path("/nonexistent"), block_tokens=64)
+    engine = LlamaEngine()
+    engine._control = cast(EngineControl, control)
+    engine._slot_pool = slots
+    notices: list[dict[str, Any]] = []
+    engine.notify = notices.append
+    slot = slots.acquire("system: " + "rules " * 400)
+    engine._resumable[7] = slot
+    assert engine._holder(slot, True) is Holder.PREFILLING  # its request not at the engine yet
+    control.state[slot] = (True, 0)
+    assert engine._holder(slot, True) is Holder.PREFILLING
+    control.state[slot] = (True, 3)
+    assert engine._holder(slot, False) is Holder.KEPT and not notices
+    assert engine._holder(slot, True) is Holder.PREEMPTED
+    assert notices == [{"preempt": 7, "cached": 0}]  # what the engine reused for it
+    assert engine._holder(slot, True) is Holder.KEPT  # that stream is no longer resumable
+
+    class _Unreadable:
+        def request(self, *a: Any, **k: Any) -> Any:
+            raise OSError("engine gone")
+
+    engine._control = cast(EngineControl, _Unreadable())
+    assert engine._holder(slot, True) is Holder.KEPT
