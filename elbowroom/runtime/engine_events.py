@@ -56,10 +56,11 @@ class Preempted(EngineError):
     """The engine took this stream's slot for a request that needs its prefix; its state is
     saved for the continuation (server/stream/resume.py)."""
 
-    def __init__(self, ticket: int, at: float) -> None:
+    def __init__(self, ticket: int, at: float, cached: int | None = None) -> None:
         super().__init__(f"ticket {ticket} was preempted")
         self.ticket = ticket
         self.at = at  # time.monotonic() of the runner's notice
+        self.cached = cached  # prompt tokens the engine reused for it (None: not told)
 
 
 class TextRunner(Protocol):
@@ -167,6 +168,7 @@ class EngineConnection:
         self.events_seen = 0
         self.finished = False
         self.preempted_at = 0.0
+        self.preempted_cached: int | None = None
 
     async def connect(self) -> None:
         ticket = self.ticket
@@ -272,6 +274,8 @@ class EngineConnection:
         if data.get("preempt") == self.ticket.ticket and not self.finished and not self.aborted:
             self.aborted = "preempt"
             self.preempted_at = time.monotonic()
+            cached = data.get("cached")
+            self.preempted_cached = cached if isinstance(cached, int) else None
             log.info("preempt: ending the engine connection of ticket %d", self.ticket.ticket)
             if self.writer is not None:
                 self.writer.transport.abort()
@@ -280,7 +284,7 @@ class EngineConnection:
         """Why the engine connection broke: our pressure abort, a preemption, the runner's
         death (its process is reaped a moment after its socket closes) or something else."""
         if self.aborted == "preempt":
-            return Preempted(self.ticket.ticket, self.preempted_at)
+            return Preempted(self.ticket.ticket, self.preempted_at, self.preempted_cached)
         if self.aborted == "pressure":
             return MemoryPressure(
                 f"generation aborted: memory pressure is hard (after {self.events_seen} "

@@ -166,6 +166,7 @@ class Relay:
         assert resume is not None and stack is not None
         resume.preempt()
         resume.preempted_at = preempted.at
+        resume.cached = preempted.cached
         continuation = resume.continuation(preempted.ticket)
         events = text_events(self._runner, continuation)  # a continuation is never preempted
         stack.push_async_callback(events.aclose)

@@ -15,7 +15,8 @@ server/stream/relay.py ``Relay._blocks``):
 1. A request whose best prefix is a busy slot, worth at least ``MIN_PREEMPT_S`` of
    recompute, asks the engine to preempt that slot's stream. The engine does so when a
    *resumable* relayed stream (engines/llama.py ``resumable``) holds the slot and has
-   decoded a token; it sends the notice ``{"preempt": ticket}`` (runner -> server, the
+   decoded a token; it sends the notice ``{"preempt": ticket, "cached": n}`` (n: the prompt
+   tokens the engine reused for that stream's request; runner -> server, the
    worker's ``notice`` event, runtime/supervisor.py ``watch_notices``), and the slot is
    claimed for the waiting request.
 2. The stream's engine connection (runtime/engine_events.py ``EngineConnection.on_notice``)
@@ -66,6 +67,9 @@ class Resume:
         self.produced = 0  # tokens the client had before the preemption
         self.preempted_at = 0.0
         self.stall_s: float | None = None  # preemption -> the continuation's first event
+        # Prompt tokens the engine reused for the preempted request (the runner's notice):
+        # the continuation restores the whole prompt, which is not this request's reuse.
+        self.cached: int | None = None
         # Whitespace the client has that the chat template trims from an assistant prefill:
         # the model writes it again, and the seam drops it once (no doubled newline).
         self.skip = ""
@@ -155,17 +159,21 @@ class Resume:
 
     def fix_usage(self, usage: dict[str, Any]) -> None:
         """The continuation's usage as the whole answer's: the tokens sent before the
-        preemption were generated, not prompt (a re-tokenized seam can differ by one)."""
-        if not self.resumed or not self.produced:
+        preemption were generated, not prompt (a re-tokenized seam can differ by one), and
+        the cached prompt tokens are the preempted request's (the continuation's restore of
+        its own state is not a reuse the client's request got)."""
+        if not self.resumed:
             return
-        prompt = int(usage.get("prompt_tokens", 0))
-        completion = int(usage.get("completion_tokens", 0))
-        usage["prompt_tokens"] = max(0, prompt - self.produced)
-        usage["completion_tokens"] = completion + self.produced
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        if self.produced:
+            prompt = int(usage.get("prompt_tokens", 0))
+            completion = int(usage.get("completion_tokens", 0))
+            usage["prompt_tokens"] = max(0, prompt - self.produced)
+            usage["completion_tokens"] = completion + self.produced
+            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         details = usage.get("prompt_tokens_details")
         if isinstance(details, dict) and "cached_tokens" in details:
-            details["cached_tokens"] = min(int(details["cached_tokens"]), usage["prompt_tokens"])
+            cached = int(details["cached_tokens"]) if self.cached is None else self.cached
+            details["cached_tokens"] = min(cached, int(usage.get("prompt_tokens", 0)))
 
 
 def sent_text(raw: bytes, *, chat: bool) -> tuple[str, int]:

@@ -586,7 +586,7 @@ def preempted(tmp_path: Path, make: Make) -> tuple[bytes, NoticeRunner, Schedule
                 if len(out) == 1:
                     for watcher in list(runner.notice_watchers):
                         watcher({"preempt": 99})  # another stream's: nothing happens
-                        watcher({"preempt": 7})
+                        watcher({"preempt": 7, "cached": 130})
             await asyncio.wait_for(engine.closed.wait(), 30)
             return b"".join(out), runner, scheduler
         finally:
@@ -609,7 +609,9 @@ def test_a_preempted_stream_goes_on_as_one_openai_stream(tmp_path: Path) -> None
     usage = chunks[-1]["usage"]  # the prefilled tokens count as generated
     assert usage["prompt_tokens"] == 200 and usage["completion_tokens"] == 5
     assert usage["total_tokens"] == 205
-    assert usage["prompt_tokens_details"]["cached_tokens"] == 192  # min(201, 200), in blocks
+    # The preempted request's own reuse (the runner's notice), in blocks: not the 201 the
+    # continuation's restore of its saved state got.
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 128
     # The continuation: the text sent as an assistant prefill, the tokens left, the ticket.
     more = runner.opened[1]
     assert more.messages[-1] == {"role": "assistant", "content": "Hello"}

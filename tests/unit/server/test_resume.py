@@ -74,6 +74,27 @@ def test_the_continuation_reads_as_the_same_stream() -> None:
     assert resume.stall_s is not None and resume.stall_s >= 0
 
 
+def test_a_resumed_streams_cached_tokens_are_the_preempted_requests() -> None:
+    """The continuation restores the preempted slot's whole state, so the engine calls its
+    whole prompt cached; the client's request reused only what the engine reused for it
+    before the preemption (the runner's notice says how many). The arena counted a
+    switch's cold prefill as 1,600 tokens cached."""
+    resume = Resume(CHAT)
+    resume.record(delta(None, role=True) + delta("Hel"))
+    resume.preempt()
+    resume.cached = 0  # the preempted request computed its prompt
+    resume.continuation(5)
+    usage = {"prompt_tokens": 11, "completion_tokens": 5, "total_tokens": 16}
+    usage["prompt_tokens_details"] = {"cached_tokens": 11}
+    resume.fix_usage(usage)
+    assert usage["prompt_tokens"] == 10 and usage["prompt_tokens_details"] == {"cached_tokens": 0}
+    resume.cached = 64  # it had reused a prefix
+    usage = {"prompt_tokens": 11, "completion_tokens": 5, "prompt_tokens_details": {}}
+    usage["prompt_tokens_details"] = {"cached_tokens": 11}
+    resume.fix_usage(usage)
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 10}  # at most the prompt
+
+
 def test_only_plain_text_streams_are_resumable() -> None:
     assert resumable(CHAT)
     schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}
