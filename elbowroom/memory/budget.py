@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from elbowroom.config import Settings
-from elbowroom.memory.types import Pressure, Snapshot
+from elbowroom.memory.types import PSI_RECENT_S, Pressure, Snapshot
 from elbowroom.units import GiB, MiB, format_size
 
 __all__ = [
@@ -314,11 +314,24 @@ def assess(snap: Snapshot, own_usage: int, limit: Limit, cfg: BudgetConfig) -> A
             (Pressure.SOFT, f"available {fs(snap.available)} < {fs(soft_floor)} (machine-wide)")
         )
     if snap.psi is not None:
+        # avg10 trails the stalls by about ten seconds: stalls that have stopped (a process
+        # that thrashed and was stopped a moment ago, before this server started) still
+        # raise it. The level takes the lower of avg10 and the stall rate over the last
+        # PSI_RECENT_S seconds: pressure both sustained and current. While stalls go on,
+        # the recent rate is the higher one, so a rise is seen as soon as before.
         some = snap.psi.some_avg10
+        what = f"PSI some avg10 {some:.1f}%"
+        recent = snap.psi.some_recent
+        if recent is not None and recent < some:
+            some = recent
+            what = (
+                f"PSI some {recent:.1f}% over the last {PSI_RECENT_S:g} s "
+                f"(avg10 {snap.psi.some_avg10:.1f}%)"
+            )
         if some >= cfg.psi_hard:
-            found.append((Pressure.HARD, f"PSI some avg10 {some:.1f}% ≥ {cfg.psi_hard:g}%"))
+            found.append((Pressure.HARD, f"{what} ≥ {cfg.psi_hard:g}%"))
         elif some >= cfg.psi_soft:
-            found.append((Pressure.SOFT, f"PSI some avg10 {some:.1f}% ≥ {cfg.psi_soft:g}%"))
+            found.append((Pressure.SOFT, f"{what} ≥ {cfg.psi_soft:g}%"))
     if snap.os_pressure == "critical":
         found.append((Pressure.HARD, "macOS memory pressure is critical"))
     elif snap.os_pressure == "warn":

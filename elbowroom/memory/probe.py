@@ -18,9 +18,12 @@ Effective numbers (docs/memory.md explains them):
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -43,7 +46,7 @@ from elbowroom.memory.macos import (
 )
 from elbowroom.memory.nvml import gpu_memory
 from elbowroom.memory.process import measure_tree
-from elbowroom.memory.types import Probe, Psi, Snapshot
+from elbowroom.memory.types import PSI_RECENT_S, Probe, Psi, Snapshot
 
 __all__ = [
     "CgroupReading",
@@ -95,7 +98,30 @@ def parse_psi(text: str) -> Psi | None:
         some_avg60=some.get("avg60", 0.0),
         full_avg10=full.get("avg10", 0.0),
         full_avg60=full.get("avg60", 0.0),
+        some_total_us=int(some.get("total", 0)),
     )
+
+
+PSI_MIN_SPAN_S = 0.2  # the shortest span some_recent is measured over
+_psi_lock = threading.Lock()
+_psi_seen: dict[str, collections.deque[tuple[float, int]]] = {}
+
+
+def with_recent(key: str, psi: Psi, now: float) -> Psi:
+    """``psi`` with ``some_recent``: the stall rate since this process's oldest reading of
+    the same file (``key``) within the last PSI_RECENT_S seconds (at least PSI_MIN_SPAN_S
+    ago; else None, as on the first reading)."""
+    with _psi_lock:
+        seen = _psi_seen.setdefault(key, collections.deque())
+        seen.append((now, psi.some_total_us))
+        while len(seen) > 1 and now - seen[1][0] >= PSI_RECENT_S:
+            seen.popleft()  # keep the newest reading that is at least the window old
+        then, total = seen[0]
+    span = now - then
+    if span < PSI_MIN_SPAN_S or psi.some_total_us < total:
+        return psi
+    stalled = (psi.some_total_us - total) / 1e6
+    return dataclasses.replace(psi, some_recent=min(100.0, 100.0 * stalled / span))
 
 
 # ---------------------------------------------------------------- effective numbers
@@ -172,10 +198,16 @@ def linux_probe(
     cgroup = read_cgroup(membership, cgroup_root)
     # A limited v2 cgroup has its own PSI, which is what stalls *us*; else the host's.
     psi_text = None
+    psi_file = proc / "pressure" / "memory"
     if cgroup is not None and cgroup.limit is not None and cgroup.pressure_file is not None:
         psi_text = read_text(cgroup.pressure_file)
+        psi_file = cgroup.pressure_file
     if psi_text is None:
-        psi_text = read_text(proc / "pressure" / "memory")
+        psi_file = proc / "pressure" / "memory"
+        psi_text = read_text(psi_file)
+    psi = parse_psi(psi_text) if psi_text else None
+    if psi is not None:
+        psi = with_recent(str(psi_file), psi, time.monotonic())
     swap_total = info.get("SwapTotal", 0)
     return _effective(
         platform="linux",
@@ -186,7 +218,7 @@ def linux_probe(
         cgroup=cgroup,
         swap_total=swap_total,
         swap_used=max(0, swap_total - info.get("SwapFree", 0)),
-        psi=parse_psi(psi_text) if psi_text else None,
+        psi=psi,
         gpus=gpu_memory() if nvml else (),
     )
 

@@ -6,6 +6,10 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
+# The window of ``Psi.some_recent``: the stall rate the probe measures from the file's
+# cumulative ``total`` (avg10 trails by about ten seconds; see memory/budget.py).
+PSI_RECENT_S = 2.0
+
 
 @dataclass(frozen=True, slots=True)
 class Psi:
@@ -15,6 +19,10 @@ class Psi:
     some_avg60: float
     full_avg10: float
     full_avg60: float
+    some_total_us: int = 0  # cumulative time some task stalled (the file's total=), µs
+    # Percent of time some task stalled over the last ~PSI_RECENT_S seconds, from this
+    # process's earlier reading of ``some_total_us``; None until there is one that old.
+    some_recent: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -170,6 +170,25 @@ def test_psi_only_raises_the_level() -> None:
     assert level(starved, 0) is Pressure.HARD
 
 
+def test_psi_that_has_stopped_does_not_hold_the_level_up() -> None:
+    """Issue 24's arena: elbowroom started right after the router had thrashed in a tight
+    container; PSI avg10 still read 85.8 % (it trails by ~10 s), so the guard refused every
+    request for 21 s though nothing stalled any more and our models held 53 MiB. The level
+    takes the lower of avg10 and the stall rate over the last PSI_RECENT_S seconds."""
+    calm = snap(16 * GiB, 12 * GiB)
+
+    def psi(avg10: float, recent: float | None) -> Snapshot:
+        return dataclasses.replace(calm, psi=Psi(avg10, 0, 0, 0, some_recent=recent))
+
+    assert level(psi(85.8, 0.0), 0) is Pressure.NORMAL  # stopped: history only
+    assert level(psi(85.8, 12.0), 0) is Pressure.SOFT  # easing
+    assert level(psi(45.0, 90.0), 0) is Pressure.HARD  # going on: avg10 rules, as before
+    assert level(psi(45.0, None), 0) is Pressure.HARD  # no earlier reading: avg10
+    s = psi(85.8, 12.0)
+    reasons = assess(s, 0, memory_limit(s, 0, CFG), CFG).reasons
+    assert reasons == ("PSI some 12.0% over the last 2 s (avg10 85.8%) ≥ 10%",)
+
+
 def test_macos_pressure_level_raises() -> None:
     calm = snap(16 * GiB, 12 * GiB)
     assert level(dataclasses.replace(calm, os_pressure="warn"), 0) is Pressure.SOFT

@@ -16,6 +16,7 @@ from elbowroom.memory.probe import (
     parse_meminfo,
     parse_psi,
     snapshot_to_dict,
+    with_recent,
 )
 from elbowroom.memory.types import Psi, Snapshot
 from elbowroom.units import GiB, KiB, MiB
@@ -48,9 +49,26 @@ def test_meminfo_parses_to_bytes() -> None:
 
 def test_psi_parses_some_and_full() -> None:
     text = (FIX / "v2_limited/cgroup/system.slice/elbowroom.service/memory.pressure").read_text()
-    assert parse_psi(text) == Psi(12.5, 6.25, 3.0, 1.2)
+    assert parse_psi(text) == Psi(12.5, 6.25, 3.0, 1.2, some_total_us=18734120)
     assert parse_psi("") is None
     assert parse_psi("some avg10=oops\n") is None
+
+
+def test_the_recent_stall_rate_comes_from_two_readings_of_the_total() -> None:
+    """``some_recent``: percent of the time between this process's readings that some task
+    stalled, from the file's cumulative ``total`` (µs): none on a first reading or one too
+    close to it; over at most the last PSI_RECENT_S seconds."""
+    key = "test-psi-recent"
+
+    def at(t: float, total_us: int) -> float | None:
+        return with_recent(key, Psi(50.0, 0, 0, 0, some_total_us=total_us), t).some_recent
+
+    assert at(100.0, 5_000_000) is None  # the first reading
+    assert at(100.1, 5_050_000) is None  # 0.1 s: too short a span
+    assert at(101.0, 5_500_000) == pytest.approx(50.0)  # 0.5 s stalled of 1.0 s
+    assert at(102.0, 5_500_000) == pytest.approx(25.0)  # 0.5 s of 2.0 s
+    assert at(104.0, 5_500_000) == pytest.approx(0.0)  # since the 102.0 reading: none
+    assert at(105.0, 4_000_000) is None  # a counter that went back: no rate
 
 
 def test_v1_limited_walks_up_and_takes_the_container_limit() -> None:
@@ -66,7 +84,13 @@ def test_v1_limited_walks_up_and_takes_the_container_limit() -> None:
     assert snap.used == snap.total - snap.available
     assert (snap.host_total, snap.host_available) == (HOST16_TOTAL, HOST16_AVAILABLE)
     assert (snap.swap_total, snap.swap_used) == (2 * GiB, 512 * MiB)
-    assert snap.psi == Psi(0.52, 0.31, 0.10, 0.05)
+    assert snap.psi is not None
+    assert (snap.psi.some_avg10, snap.psi.some_avg60) == (0.52, 0.31)
+    assert (snap.psi.full_avg10, snap.psi.full_avg60, snap.psi.some_total_us) == (
+        0.10,
+        0.05,
+        18734120,
+    )
 
 
 def test_v1_unlimited_huge_number_means_no_limit() -> None:
@@ -246,3 +270,21 @@ def test_snapshot_to_dict_is_json() -> None:
     assert data["psi"]["some_avg10"] == 12.5
     assert data["gpus"] == []
     assert data["cgroup_version"] == 2
+
+
+def test_the_real_probe_measures_a_recent_stall_rate() -> None:
+    """This machine's /proc/pressure/memory, read by the real probe until two readings are
+    far enough apart for a rate."""
+    import time
+
+    if not Path("/proc/pressure/memory").exists():
+        pytest.skip("this kernel has no PSI (/proc/pressure/memory)")
+    deadline = time.monotonic() + 10
+    while True:
+        snap = linux_probe(nvml=False)
+        assert snap.psi is not None
+        if snap.psi.some_recent is not None:
+            break
+        assert time.monotonic() < deadline, "no recent PSI rate after 10 s of readings"
+        time.sleep(0.05)
+    assert 0.0 <= snap.psi.some_recent <= 100.0
