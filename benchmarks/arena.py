@@ -725,6 +725,39 @@ def kernel_log() -> str:
         return ""
 
 
+QUIET_PSI = 5.0  # % of time some task stalled on memory, over a second, to start a cell
+QUIET_WAIT_S = 60.0
+
+
+def psi_total_us() -> int | None:
+    """The machine's cumulative memory stall time (PSI ``some total=``, µs); None: no PSI."""
+    try:
+        first = Path("/proc/pressure/memory").read_text().splitlines()[0]
+    except (OSError, IndexError):
+        return None
+    fields = dict(f.split("=", 1) for f in first.split()[1:] if "=" in f)
+    return int(fields["total"]) if "total" in fields else None
+
+
+def wait_for_quiet_memory() -> float | None:
+    """Wait (at most QUIET_WAIT_S) until the machine's memory stalls over one second are
+    under QUIET_PSI %: the previous cell's server is stopped, but a thrashing one leaves
+    the kernel reclaiming for a moment, and every system starts on a machine as quiet.
+    Returns the last second's stall percentage (None: no PSI)."""
+    deadline = time.monotonic() + QUIET_WAIT_S
+    while True:
+        before = psi_total_us()
+        if before is None:
+            return None
+        time.sleep(1.0)  # a measurement over one second, not a synchronisation
+        after = psi_total_us()
+        if after is None:
+            return None
+        stalled = max(0, after - before) / 1e4  # µs over 1 s, as a percentage
+        if stalled < QUIET_PSI or time.monotonic() >= deadline:
+            return stalled
+
+
 def run_cell(
     plan: Plan, system: str, size: str, phase: str, seed: int, work: Path
 ) -> dict[str, Any]:
@@ -732,6 +765,7 @@ def run_cell(
     home = Path(tempfile.mkdtemp(prefix=f"{system}-{size}-{phase}-", dir=work))
     limit = plan.sizes[size]
     evict_page_cache(plan.files.values())
+    psi_before = wait_for_quiet_memory()
     cg = Cgroup(name, limit)
     load_before = os.getloadavg()[0]
     server: Proc | None = None
@@ -814,6 +848,7 @@ def run_cell(
         server_alive_at_end=alive,
         start_error=error,
         load_before=load_before,
+        psi_before=psi_before,
         load_after=os.getloadavg()[0],
         log_lines=notable_lines(server_log, system),
         errors=Counter(r.error[:160] for r in recs if r.error).most_common(8),
@@ -1049,7 +1084,10 @@ def markdown(result: dict[str, Any]) -> str:
         "or not. Kills: the cgroup's OOM-kill counter summed over seeds. First token in "
         "seconds; its cached tokens: the median prompt tokens a switch's request did not "
         "recompute (the router's own `timings`; elbowroom's usage, in whole cache blocks); "
-        "load: the 1-minute load average before the cell.",
+        "load: the 1-minute load average before the cell. Each cell starts once the "
+        f"machine's memory stalls over a second are under {QUIET_PSI:g} % (PSI, at most "
+        f"{QUIET_WAIT_S:.0f} s): a server that thrashed in the previous cell leaves none "
+        "behind for the next one.",
         "",
         "| container | phase | system | served | refused | failed | cut | 5xx tries | OOM kills "
         "| first token p50 | p95 | after a switch p50 | p95 | its cached tokens | tok/s "
