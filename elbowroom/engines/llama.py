@@ -395,7 +395,7 @@ class LlamaEngine:
         doing (Slots.acquire asks): not yet past its prefill, or generating; with
         ``preempt``, a generating slot held by a resumable relayed stream is preempted: the
         server is told to close that stream and resume it elsewhere (server/stream/resume.py)."""
-        phase, cached, remain = self._phase(slot)
+        phase, cached = self._phase(slot)
         if phase in ("idle", "prefilling"):
             return Holder.PREFILLING
         if phase == "unknown":
@@ -403,11 +403,9 @@ class LlamaEngine:
         notify = self.notify
         with self._lock:
             ticket = next((t for t, s in self._resumable.items() if s == slot), None)
-        assert self._slot_pool is not None
         if not preempt or ticket is None or notify is None:
             return Holder.KEPT
-        if not self._slot_pool.worth_preempting(remain):
-            return Holder.KEPT  # its answer ends sooner than a preemption would pay off
+        assert self._slot_pool is not None
         taken, _ = self._slot_pool.taken(slot)
         with self._lock:
             if self._resumable.pop(ticket, None) is None:
@@ -453,30 +451,27 @@ class LlamaEngine:
         """Whether the engine's ``slot`` has decoded a token (past its prefill)."""
         return self._phase(slot)[0] == "generating"
 
-    def _phase(self, slot: int) -> tuple[str, int, int]:
+    def _phase(self, slot: int) -> tuple[str, int]:
         """The engine's ``slot``: "generating" (decoded a token), "prefilling" (processing,
         none decoded yet) or "idle" (not processing: the request taking it has not reached
         the engine yet, or it has ended); "unknown" when the engine cannot be read. And how
-        many of its request's prompt tokens the engine reused (``n_prompt_tokens_cache``),
-        and how many tokens its answer has left (``n_remain``; -1: no limit)."""
+        many of its request's prompt tokens the engine reused (``n_prompt_tokens_cache``)."""
         assert self._control is not None
         try:
             slots = self._control.request("GET", "/slots", None)
         except (OSError, RuntimeError, ValueError) as exc:
             log.debug("cannot read the engine's slots: %s", exc)
-            return "unknown", 0, -1
+            return "unknown", 0
         for entry in slots if isinstance(slots, list) else ():
             if isinstance(entry, dict) and entry.get("id") == slot:
                 cached = int(entry.get("n_prompt_tokens_cache") or 0)
+                if not entry.get("is_processing"):
+                    return "idle", cached
                 tokens = entry.get("next_token")
                 first = tokens[0] if isinstance(tokens, list) and tokens else tokens
-                first = first if isinstance(first, dict) else {}
-                remain = int(first.get("n_remain", -1))
-                if not entry.get("is_processing"):
-                    return "idle", cached, remain
-                decoded = int(first.get("n_decoded", 0))
-                return ("generating" if decoded > 0 else "prefilling"), cached, remain
-        return "idle", 0, -1
+                decoded = first.get("n_decoded", 0) if isinstance(first, dict) else 0
+                return ("generating" if int(decoded) > 0 else "prefilling"), cached
+        return "idle", 0
 
     # ---- slots ------------------------------------------------------------------------
 

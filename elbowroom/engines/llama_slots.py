@@ -61,13 +61,6 @@ MAX_PREFIX_WAIT_S = 120.0
 # PREEMPT_WAIT_S for the preempted stream's relay to close (then it recomputes).
 MIN_PREEMPT_S = 1.0
 PREEMPT_WAIT_S = 30.0
-# ... and only when its answer has at least this long left to run (its tokens left at the
-# measured decode speed): a preemption costs the preempted stream a pause (the cancel, the
-# save, the other request's prefill, the restore: ~0.25 s) and the cores a save and a
-# restore, more than waiting for an answer about to end (the arena's 16-token answers:
-# preempting them made S/work 8 % slower than waiting, benchmarks/results/arena_ab.md).
-MIN_REMAIN_PREEMPT_S = 1.0
-DEFAULT_DECODE_S = 0.05  # seconds per generated token until the engine has reported one
 # A busy slot not yet past its prefill is asked again this often (each ask reads the
 # engine's /slots, which wakes its threads: not much more often than this).
 HOLDER_POLL_S = 0.25
@@ -128,7 +121,6 @@ class Slots:
         self._last_len = dict.fromkeys(range(slots), 0)  # of the whole key, before the cut
         self._last_used = dict.fromkeys(range(slots), 0.0)
         self._prefill_tps = 0.0  # the engine's measured prefill speed (tokens/s), 0: unknown
-        self._decode_s = 0.0  # the engine's measured seconds per generated token, 0: unknown
         self.prefix_waits = 0  # requests that waited for the busy slot holding their prefix
         # Asked, without the lock, about a busy slot that holds a waiting request's long
         # prefix, with whether to preempt it (preempt and resume, docs/kvcache.md#preempt:
@@ -448,17 +440,6 @@ class Slots:
             )
         if self._cache is not None and timings.get("prompt_n", 0) > 0:
             self._cache.observe_prefill(int(timings["prompt_n"]), timings["prompt_ms"] / 1000)
-        n, ms = timings.get("predicted_n", 0), timings.get("predicted_ms", 0)
-        if n >= 4 and ms > 0:
-            per = ms / 1000 / n
-            self._decode_s = per if not self._decode_s else 0.7 * self._decode_s + 0.3 * per
-
-    def worth_preempting(self, remain: int) -> bool:
-        """Whether an answer with ``remain`` tokens left (-1: no limit) runs long enough
-        that preempting it beats waiting for its end (MIN_REMAIN_PREEMPT_S)."""
-        if remain < 0:
-            return True
-        return remain * (self._decode_s or DEFAULT_DECODE_S) >= MIN_REMAIN_PREEMPT_S
 
     def _lookup_tokens(self, before: _Tokenized, op: str, body: dict[str, Any]) -> _Tokenized:
         """The prompt as the engine renders it and its tokens, for the disk-tier lookup.

@@ -326,18 +326,13 @@ class _SlotsControl:
 
     def __init__(self, n: int) -> None:
         self.state = {s: (False, 0) for s in range(n)}
-        self.remain = dict.fromkeys(range(n), -1)  # tokens each answer has left (-1: no limit)
         self.gets = 0
 
     def request(self, method: str, path: str, body: Any) -> Any:
         assert (method, path) == ("GET", "/slots"), (method, path)
         self.gets += 1
         return [
-            {
-                "id": s,
-                "is_processing": busy,
-                "next_token": [{"n_decoded": n, "n_remain": self.remain[s]}],
-            }
+            {"id": s, "is_processing": busy, "next_token": [{"n_decoded": n}]}
             for s, (busy, n) in self.state.items()
         ]
 
@@ -626,12 +621,6 @@ def test_the_engine_tells_a_prefilling_holder_from_a_generating_one() -> None:
     assert engine._holder(slot, True) is Holder.PREFILLING
     control.state[slot] = (True, 3)
     assert engine._holder(slot, False) is Holder.KEPT and not notices
-    # An answer about to end is waited for, not preempted (the arena's 16-token answers):
-    # 10 tokens left at 20 ms each is 0.2 s; 100 at 20 ms is 2 s, worth a preemption.
-    slots.observe_prefill({"predicted_n": 50, "predicted_ms": 1000.0})
-    control.remain[slot] = 10
-    assert engine._holder(slot, True) is Holder.KEPT and not notices
-    control.remain[slot] = 100
     assert engine._holder(slot, True) is Holder.PREEMPTED
     assert notices == [{"preempt": 7, "cached": 0}]  # what the engine reused for it
     assert engine._holder(slot, True) is Holder.KEPT  # that stream is no longer resumable
