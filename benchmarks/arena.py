@@ -1058,13 +1058,53 @@ def _verdict(met: bool | None) -> str:
     return "yes" if met else "**no**"
 
 
+COLD_CACHED = 512  # a switch whose request reused fewer prompt tokens than this was cold
+
+
+def switch_split(cells: list[dict[str, Any]]) -> list[str]:
+    """The first requests after a switch, split by whether the model already held the
+    prompt's prefix (warm: at least COLD_CACHED tokens reused) or prefilled it (cold), over
+    every seed: the median of all switches depends on how many were cold, which the work's
+    order decides as much as the system."""
+    groups: dict[tuple[str, str, str], list[tuple[float, float]]] = {}
+    for c in cells:
+        for r in c.get("records", ()):
+            if r["switch"] and r["outcome"] == "served" and r.get("cached_tokens") is not None:
+                key = (c["size"], c["phase"], c["system"])
+                groups.setdefault(key, []).append((float(r["cached_tokens"]), float(r["ttft"])))
+    if not groups:
+        return []
+    lines = [
+        "",
+        "## Switches, cold and warm",
+        "",
+        f"First requests after a switch (streams read to the end, all seeds), split by the "
+        f"prompt tokens they reused: *cold* under {COLD_CACHED} (the model prefilled the "
+        "shared system prompt), *warm* otherwise; first token in seconds, p50.",
+        "",
+        "| container | phase | system | switches | cold | cold p50 | warm | warm p50 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (size, phase, system), xs in sorted(groups.items()):
+        cold = [t for cached, t in xs if cached < COLD_CACHED]
+        warm = [t for cached, t in xs if cached >= COLD_CACHED]
+        p50 = [percentile(part, 50) for part in (cold, warm)]
+        cold_p50, warm_p50 = (f"{v:.2f}" if v is not None else "–" for v in p50)
+        lines.append(
+            f"| {size} | {phase} | {system} | {len(xs)} | {len(cold)} | {cold_p50} "
+            f"| {len(warm)} | {warm_p50} |"
+        )
+    return lines
+
+
 def markdown(result: dict[str, Any]) -> str:
     rows, meta = result["rows"], result["meta"]
     lines = [
         "# Arena: elbowroom vs llama.cpp's router mode",
         "",
-        f"Recorded {meta['date']} on {meta['machine']} — **a machine shared with other work** "
-        f"(load average {meta['load_min']:.1f}–{meta['load_max']:.1f} before the cells). "
+        f"Recorded {meta['date']} on {meta['machine']} (load average "
+        f"{meta['load_min']:.1f}–{meta['load_max']:.1f} before the cells, the arena's own "
+        "previous cell included). "
         f"Command: `{meta['command']}`.",
         "",
         "Models: "
@@ -1111,6 +1151,7 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(
             f"| {t['target']} | {'/'.join(t['cell'])} | {t['value']} | {_verdict(t['met'])} |"
         )
+    lines += switch_split(result["cells"])
     lines += ["", "## OOM victims (the kernel's log)", ""]
     any_victim = False
     for r in rows:
