@@ -337,6 +337,21 @@ class _SlotsControl:
         ]
 
 
+def _engine_on_slots(n: int) -> tuple[Any, _SlotsControl, Slots, list[dict[str, Any]]]:
+    """A LlamaEngine with ``n`` slots whose engine is ``_SlotsControl`` (no process), and
+    the notices it sends the server."""
+    from elbowroom.engines.llama import LlamaEngine
+
+    control = _SlotsControl(n)
+    slots = Slots(cast(EngineControl, control), n, None, Path("/nonexistent"), block_tokens=64)
+    engine = LlamaEngine()
+    engine._control = cast(EngineControl, control)
+    engine._slot_pool = slots
+    notices: list[dict[str, Any]] = []
+    engine.notify = notices.append
+    return engine, control, slots, notices
+
+
 def test_a_preempted_streams_continuation_waits_for_the_first_token_it_was_preempted_for() -> None:
     """Preempt and resume: the continuation restores its state and decodes only once the
     request that took its slot has decoded its first token (or ended): the engine runs one
@@ -345,15 +360,8 @@ def test_a_preempted_streams_continuation_waits_for_the_first_token_it_was_preem
     is what the preemption was for. Bounded: a request that never comes is not waited for
     longer than HANDOFF_WAIT_S."""
     from elbowroom.engines import llama
-    from elbowroom.engines.llama import LlamaEngine
 
-    control = _SlotsControl(2)
-    slots = Slots(cast(EngineControl, control), 2, None, Path("/nonexistent"), block_tokens=64)
-    engine = LlamaEngine()
-    engine._control = cast(EngineControl, control)
-    engine._slot_pool = slots
-    notices: list[dict[str, Any]] = []
-    engine.notify = notices.append
+    engine, control, slots, notices = _engine_on_slots(2)
     prefix = "system: " + "".join(f"Rule {i}: check shelf {i % 17}.\n" for i in range(100))
     slot = slots.acquire(prefix + "user: question one")
     engine._resumable[7] = slot
@@ -605,15 +613,7 @@ def test_the_engine_tells_a_prefilling_holder_from_a_generating_one() -> None:
     processing, or processing with nothing decoded, is prefilling (wait for it); a
     generating slot is preempted only when asked to and held by a resumable stream; an
     engine that cannot be read is "kept" (the request waits blind, as before)."""
-    from elbowroom.engines.llama import LlamaEngine
-
-    control = _SlotsControl(2)
-    slots = Slots(cast(EngineControl, control), 2, None, Path("/nonexistent"), block_tokens=64)
-    engine = LlamaEngine()
-    engine._control = cast(EngineControl, control)
-    engine._slot_pool = slots
-    notices: list[dict[str, Any]] = []
-    engine.notify = notices.append
+    engine, control, slots, notices = _engine_on_slots(2)
     slot = slots.acquire("system: " + "rules " * 400)
     engine._resumable[7] = slot
     assert engine._holder(slot, True) is Holder.PREFILLING  # its request not at the engine yet
