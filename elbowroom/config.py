@@ -134,7 +134,7 @@ class Settings:
     load_fraction: float = 0.85  # the load ceiling, below soft
     soft_fraction: float = 0.90
     hard_fraction: float = 0.95
-    psi_soft: float = 10.0  # PSI some avg10 (%) that raises the level to soft
+    psi_soft: float = 10.0  # PSI some (%, the lower of avg10 and the last 2 s): soft
     psi_hard: float = 40.0  # ... and to hard
     memory_guard: bool = True
     monitor_interval: float = 1.0

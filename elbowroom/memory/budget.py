@@ -83,7 +83,7 @@ class BudgetConfig:
     soft_fraction: float = 0.90
     hard_fraction: float = 0.95
     safety_margin: int = 256 * MiB
-    psi_soft: float = 10.0  # PSI some avg10 (%) that raises the level to soft
+    psi_soft: float = 10.0  # PSI some (%, the lower of avg10 and the last 2 s): soft
     psi_hard: float = 40.0  # ... and to hard
 
     def __post_init__(self) -> None:
