@@ -245,8 +245,7 @@ class Slots:
                     worth = (
                         self.may_preempt
                         and not tried_preempt
-                        and gain / CHARS_PER_TOKEN / (self._prefill_tps or DEFAULT_PREFILL_TPS)
-                        >= MIN_PREEMPT_S
+                        and self._recompute_seconds(gain) >= MIN_PREEMPT_S
                     )
                     if worth and not said_prefilling:
                         log.info("preempt: asking for slot %d", busy)
