@@ -197,13 +197,12 @@ def linux_probe(
     membership = read_text(self_cgroup or proc / "self" / "cgroup") or ""
     cgroup = read_cgroup(membership, cgroup_root)
     # A limited v2 cgroup has its own PSI, which is what stalls *us*; else the host's.
-    psi_text = None
-    psi_file = proc / "pressure" / "memory"
+    psi_file, psi_text = proc / "pressure" / "memory", None
     if cgroup is not None and cgroup.limit is not None and cgroup.pressure_file is not None:
         psi_text = read_text(cgroup.pressure_file)
-        psi_file = cgroup.pressure_file
+        if psi_text is not None:
+            psi_file = cgroup.pressure_file
     if psi_text is None:
-        psi_file = proc / "pressure" / "memory"
         psi_text = read_text(psi_file)
     psi = parse_psi(psi_text) if psi_text else None
     if psi is not None:
