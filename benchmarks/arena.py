@@ -731,12 +731,13 @@ QUIET_WAIT_S = 60.0
 
 def psi_total_us() -> int | None:
     """The machine's cumulative memory stall time (PSI ``some total=``, µs); None: no PSI."""
+    from elbowroom.memory.probe import parse_psi
+
     try:
-        first = Path("/proc/pressure/memory").read_text().splitlines()[0]
-    except (OSError, IndexError):
+        psi = parse_psi(Path("/proc/pressure/memory").read_text())
+    except OSError:
         return None
-    fields = dict(f.split("=", 1) for f in first.split()[1:] if "=" in f)
-    return int(fields["total"]) if "total" in fields else None
+    return psi.some_total_us if psi is not None else None
 
 
 def wait_for_quiet_memory() -> float | None:
