@@ -38,6 +38,7 @@ __all__ = [
     "Limit",
     "assess",
     "container_margin",
+    "exhaustion_floors",
     "fits",
     "limit_of",
     "limit_to_dict",
@@ -277,6 +278,24 @@ class Assessment:
     reasons: tuple[str, ...]  # one sentence per signal that raised the level
 
 
+def exhaustion_floors(total: int, rule: Rule, cfg: BudgetConfig) -> tuple[int, int]:
+    """The available bytes under which the level is soft and hard (``assess``), for an
+    effective ``total`` under the reserve ``rule``: (soft floor, hard floor)."""
+    if rule == "host":
+        hard_floor = min(cfg.safety_margin, int(total * (1 - cfg.hard_fraction)))
+        soft_floor = min(2 * cfg.safety_margin, int(total * (1 - cfg.load_fraction)))
+        return soft_floor, hard_floor
+    # A container loaded to its ceiling keeps (1 − load_fraction) of what the server and
+    # neighbours leave it free: soft when less than half that share of the whole container
+    # is left (7.5 %), so a container with neighbours loaded to its ceiling is not soft
+    # yet; hard under half of (1 − hard_fraction) (2.5 %), before the OOM killer.
+    # Proportional to the container, not to the container_margin knob (what a user holds
+    # back is no measure of how close the OOM killer is); at least 32 / 16 MiB.
+    soft_floor = max(CONTAINER_MARGIN_FLOOR, int(total * (1 - cfg.load_fraction) / 2))
+    hard_floor = max(CONTAINER_MARGIN_FLOOR // 2, int(total * (1 - cfg.hard_fraction) / 2))
+    return soft_floor, hard_floor
+
+
 def assess(snap: Snapshot, own_usage: int, limit: Limit, cfg: BudgetConfig) -> Assessment:
     """The pressure level and the signals that set it.
 
@@ -293,18 +312,7 @@ def assess(snap: Snapshot, own_usage: int, limit: Limit, cfg: BudgetConfig) -> A
         found.append((Pressure.HARD, f"ours {fs(own_usage)} ≥ hard threshold {fs(limit.hard)}"))
     elif own_usage > 0 and own_usage >= limit.soft:
         found.append((Pressure.SOFT, f"ours {fs(own_usage)} ≥ soft threshold {fs(limit.soft)}"))
-    if limit.rule == "host":
-        hard_floor = min(cfg.safety_margin, int(snap.total * (1 - cfg.hard_fraction)))
-        soft_floor = min(2 * cfg.safety_margin, int(snap.total * (1 - cfg.load_fraction)))
-    else:
-        # A container loaded to its ceiling keeps (1 − load_fraction) of what the server and
-        # neighbours leave it free: soft when less than half that share of the whole
-        # container is left (7.5 %), so a container with neighbours loaded to its ceiling is
-        # not soft yet; hard under half of (1 − hard_fraction) (2.5 %), before the OOM
-        # killer. Proportional to the container, not to the container_margin knob (what a
-        # user holds back is no measure of how close the OOM killer is); at least 32 / 16 MiB.
-        soft_floor = max(CONTAINER_MARGIN_FLOOR, int(snap.total * (1 - cfg.load_fraction) / 2))
-        hard_floor = max(CONTAINER_MARGIN_FLOOR // 2, int(snap.total * (1 - cfg.hard_fraction) / 2))
+    soft_floor, hard_floor = exhaustion_floors(snap.total, limit.rule, cfg)
     if snap.available < hard_floor:
         found.append(
             (Pressure.HARD, f"available {fs(snap.available)} < {fs(hard_floor)} (machine-wide)")

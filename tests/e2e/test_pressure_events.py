@@ -31,7 +31,7 @@ from cgroup_v1 import NEIGHBOUR, Cgroup, v1_available
 from serverproc import ServerProcess, wait_for
 
 from elbowroom.config import Settings
-from elbowroom.memory.budget import CONTAINER_MARGIN_FLOOR
+from elbowroom.memory.budget import BudgetConfig, exhaustion_floors
 from elbowroom.memory.cgroup import reclaimable
 
 pytestmark = [pytest.mark.slow, pytest.mark.cgroup]
@@ -135,7 +135,7 @@ def test_a_crossing_wakes_the_guard_before_the_monitor_s_next_tick(
         # since (the runner's weights) is no longer reclaimable and brings the soft level
         # (available = limit − (usage − reclaimable) under its floor) closer: in CI the step
         # meant to stop 48 MiB short of it reached it. The level as the cgroup is now:
-        floor = max(CONTAINER_MARGIN_FLOOR, int(LIMIT * (1 - Settings().load_fraction) / 2))
+        floor, _ = exhaustion_floors(LIMIT, "container", BudgetConfig.from_settings(Settings()))
 
         def soft_now() -> int:
             return LIMIT - floor + reclaimable(1, cgroup.read("memory.stat"))
